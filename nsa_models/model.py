@@ -1,0 +1,213 @@
+"""A plain single-device LLaMA-style decoder with NSA (or dense causal) attention.
+
+Nothing here knows about parallelism: DDP, FSDP2, activation checkpointing, compile and float8 are applied
+from outside (`parallelisms/`). Blocks live in `layers` (a ModuleDict keyed "0".."N-1") so that checkpoints and
+per-block wrapping address them by stable names. `__init__` only allocates (it works on the meta device);
+`init_weights()` fills parameters and buffers after materialisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nsa_models.args import ModelArgs, NSAArgs
+from nsa_models.nsa import nsa_attention
+from nsa_models.nsa.reference import num_cmp_blocks
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
+    """[seq_len, head_dim // 2, 2] cos/sin table (real-valued: friendlier to inductor than complex)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, cache: Tensor) -> Tensor:
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x [B, T, heads, D] by the positions' angles."""
+    T = x.shape[1]
+    xr = x.float().unflatten(-1, (-1, 2))
+    cos, sin = cache[:T, None, :, 0], cache[:T, None, :, 1]
+    out = torch.stack([xr[..., 0] * cos - xr[..., 1] * sin, xr[..., 1] * cos + xr[..., 0] * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Compression(nn.Module):
+    """phi: blocks [i*d, i*d + l) of keys (or values) [B, T, H, D] -> [B, Nc, H, D]."""
+
+    def __init__(self, args: NSAArgs, head_dim: int):
+        super().__init__()
+        self.block, self.stride, self.kind = args.cmp_block_size, args.cmp_stride, args.compress
+        if self.kind == "mlp":
+            self.pos_emb = nn.Parameter(torch.empty(self.block, head_dim))
+            hidden = args.cmp_hidden(head_dim)
+            self.fc1 = nn.Linear(self.block * head_dim, hidden)
+            self.fc2 = nn.Linear(hidden, head_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        n_blocks = num_cmp_blocks(T, self.block, self.stride)
+        if T < self.block:  # no complete block: an empty result that still carries phi in the graph
+            x = F.pad(x, (0, 0, 0, 0, 0, self.block - T))
+        blocks = x.unfold(1, self.block, self.stride)[:, :n_blocks]  # [B, Nc, H, D, l]
+        if self.kind == "mean":
+            return blocks.mean(-1)
+        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Nc, H, l, D]
+        return self.fc2(F.silu(self.fc1(blocks.flatten(-2))))
+
+    def init_weights(self, std: float) -> None:
+        if self.kind == "mlp":
+            nn.init.normal_(self.pos_emb, std=std)
+            for fc in (self.fc1, self.fc2):
+                nn.init.normal_(fc.weight, std=std)
+                nn.init.zeros_(fc.bias)
+
+
+class DenseAttention(nn.Module):
+    """Causal GQA attention through SDPA: the baseline twin."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(self.wo.weight, std=out_std)
+
+
+class NSAAttention(DenseAttention):
+    """Native Sparse Attention: compressed + selected + sliding-window branches mixed by sigmoid gates.
+
+    K/V come from one shared projection, or one per branch (cmp, slc, win) with `separate_kv`; the
+    projections of all branches are one fused Linear either way.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.nsa = args.nsa
+        self.kv_sets = 3 if args.nsa.separate_kv else 1
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.wk = nn.Linear(args.dim, self.kv_sets * kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.kv_sets * kv_dim, bias=False)
+        self.compress_k = Compression(args.nsa, args.head_dim)
+        self.compress_v = Compression(args.nsa, args.head_dim)
+        self.gate = nn.Linear(args.dim, 3 * args.n_heads)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        out, _ = self.attend(x, rope)
+        return out
+
+    def attend(self, x: Tensor, rope: Tensor, block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and the selected block indices [B, H, T, n]."""
+        B, T, _ = x.shape
+        H, D = self.n_kv_heads, self.head_dim
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
+        k = apply_rope(self.wk(x).view(B, T, self.kv_sets * H, D), rope).split(H, dim=2)
+        v = self.wv(x).view(B, T, self.kv_sets * H, D).split(H, dim=2)
+        cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
+        k_cmp, v_cmp = self.compress_k(k[cmp]), self.compress_v(v[cmp])
+        gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
+        out, block_indices = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, self.nsa,
+                                           block_indices)
+        return self.wo(out.reshape(B, T, -1)), block_indices
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        super().init_weights(std, out_std)
+        self.compress_k.init_weights(std)
+        self.compress_v.init_weights(std)
+        nn.init.normal_(self.gate.weight, std=std)
+        nn.init.zeros_(self.gate.bias)  # every branch starts at gate 0.5
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1.weight, std=std)
+        nn.init.normal_(self.w3.weight, std=std)
+        nn.init.normal_(self.w2.weight, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = NSAAttention(args) if args.attention == "nsa" else DenseAttention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, n_layers: int) -> None:
+        # Residual-output projections shrink with depth (as TorchTitan) so early training stays stable.
+        out_std = std / math.sqrt(2 * (self.layer_id + 1))
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from args, rebuilt by init_weights() on the real device.
+        self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta), persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and buffer (call after moving off the meta device / sharding)."""
+        device = buffer_device or self.tok_embeddings.weight.device
+        with torch.no_grad():
+            self.rope = rope_cache(self.args.max_seq_len, self.args.head_dim, self.args.rope_theta, device)
+        std = self.args.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std, self.args.n_layers)
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=self.args.dim ** -0.5)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits [B, T, vocab] for tokens [B, T]."""
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        return self.output(self.norm(h))

@@ -1,0 +1,25 @@
+"""The functional NSA core with an explicit backend choice (no silent fallback)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from nsa_models.args import NSAArgs
+from nsa_models.nsa.reference import nsa_reference
+
+BACKENDS = {"reference": nsa_reference}
+
+
+def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
+                  v_cmp: Tensor, gates: Tensor, args: NSAArgs,
+                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """NSA output [B, T, HQ, D] and selected block indices [B, H, T, n] (int64, -1 = padding).
+
+    q: [B, T, HQ, D] rotated queries; k_*/v_*: [B, T, H, D] per-branch keys/values (the same tensors when the
+    projection is shared); k_cmp/v_cmp: [B, Nc, H, D] compressed keys/values; gates: [B, T, HQ, 3] sigmoid
+    gates for (cmp, slc, win). Pass block_indices to attend to given blocks instead of selecting.
+    """
+    if args.backend not in BACKENDS:
+        raise ValueError(f"model.nsa.backend = {args.backend!r} is not available; built backends: "
+                         f"{', '.join(BACKENDS)}")
+    return BACKENDS[args.backend](q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args, block_indices)

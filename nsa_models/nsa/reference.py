@@ -1,0 +1,141 @@
+"""Vectorised PyTorch NSA core: the `reference` backend and the oracle for every faster kernel.
+
+Layout: q [B, T, HQ, D]; k, v [B, T, H, D]; compressed k/v [B, Nc, H, D]; gates [B, T, HQ, 3] (cmp, slc, win).
+Query head i belongs to KV head i // G (as SDPA's enable_gqa). Queries are processed in chunks of
+`query_chunk` tokens (a handful of iterations, never one per token) so that the selected branch needs
+O(T * n * l') memory, not O(T^2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nsa_models.args import NSAArgs
+
+
+def num_cmp_blocks(seq_len: int, block: int, stride: int) -> int:
+    """Compressed blocks [i*d, i*d+l) that fit in seq_len tokens."""
+    return max(0, (seq_len - block) // stride + 1)
+
+
+def overlap_matrix(n_cmp: int, n_sel: int, args: NSAArgs, device: torch.device) -> Tensor:
+    """[Nc, Ns]: |cmp block i ∩ selection block j| / d, the spec's score mapping."""
+    l, d, lp = args.cmp_block_size, args.cmp_stride, args.sel_block_size
+    start_c = torch.arange(n_cmp, device=device)[:, None] * d
+    start_s = torch.arange(n_sel, device=device)[None, :] * lp
+    inter = (torch.minimum(start_c + l, start_s + lp) - torch.maximum(start_c, start_s)).clamp_min(0)
+    return inter.float() / d
+
+
+@torch.library.custom_op("nsa::select_blocks", mutates_args=())
+def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride: int, sel_block: int,
+                  n_selected: int) -> Tensor:
+    """Top-n selection blocks per (batch, KV head, query), shared by the GQA group.
+
+    p_cmp: [B, H, G, C, Nc] compressed-attention probabilities of queries q_start .. q_start+C-1.
+    Returns int64 [B, H, C, n]: chosen block indices in ascending order, -1 padding at the end.
+    A custom op so that activation checkpointing can always save it (recomputation selects the same blocks).
+    """
+    B, H, G, C, n_cmp = p_cmp.shape
+    n_sel = (seq_len + sel_block - 1) // sel_block
+    args = NSAArgs(cmp_block_size=block, cmp_stride=stride, sel_block_size=sel_block)
+    mapping = overlap_matrix(n_cmp, n_sel, args, p_cmp.device)
+    score = (p_cmp @ mapping.to(p_cmp.dtype)).sum(2)  # [B, H, C, Ns], summed over the group
+    t = torch.arange(q_start, q_start + C, device=p_cmp.device)[:, None]
+    j = torch.arange(n_sel, device=p_cmp.device)[None, :]
+    current = t // sel_block
+    forced = (j == 0) | (j == current) | (j == current - 1)
+    score = score.masked_fill(forced, float("inf")).masked_fill(j > current, float("-inf"))
+    if n_sel < n_selected:  # fewer candidates than n: pad with impossible blocks, reported as -1
+        score = F.pad(score, (0, n_selected - n_sel), value=float("-inf"))
+    # Stable descending sort: equal scores keep index order, so ties break to the lower block index.
+    ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
+    chosen = torch.where(ranked[..., :n_selected] == float("-inf"), -1, order[..., :n_selected])
+    big = torch.iinfo(torch.int64).max
+    ascending = torch.sort(torch.where(chosen < 0, big, chosen), dim=-1).values
+    return torch.where(ascending == big, -1, ascending)
+
+
+@select_blocks.register_fake
+def _(p_cmp, q_start, seq_len, block, stride, sel_block, n_selected):
+    B, H, G, C, _ = p_cmp.shape
+    return p_cmp.new_empty((B, H, C, n_selected), dtype=torch.int64)
+
+
+def _softmax_attend(scores: Tensor, visible: Tensor, values: Tensor, equation: str) -> tuple[Tensor, Tensor]:
+    """Masked softmax over the last dim, then `einsum(equation, probs, values)`.
+
+    Rows with no visible key give probabilities and output 0 (no NaN in forward or backward).
+    """
+    # Softmax in at least fp32 (bf16 inputs), in fp64 for fp64 inputs (the tests' oracle precision).
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
+    if scores.shape[-1] == 0:  # no key at all (static shape): the einsum below yields zeros, grads stay defined
+        return torch.einsum(equation, scores.to(values.dtype), values), scores
+    row_max = scores.amax(-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    return torch.einsum(equation, probs.to(values.dtype), values), probs
+
+
+def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
+           start: int, seq_len: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Branch outputs [B, C, H, G, 3, D] and block indices [B, H, C, n] for queries start .. start+C-1."""
+    B, C, H, G, D = q.shape
+    scale = D ** -0.5
+    device = q.device
+    t = torch.arange(start, start + C, device=device)  # absolute query positions
+    l, d, lp, n, w = (args.cmp_block_size, args.cmp_stride, args.sel_block_size, args.n_selected,
+                      args.window_size)
+
+    # 1. Compressed branch: block i is visible to query t iff i*d + l - 1 <= t.
+    n_cmp = k_cmp.shape[1]
+    cmp_end = torch.arange(n_cmp, device=device) * d + l - 1
+    scores = torch.einsum("bchgd,bnhd->bhgcn", q, k_cmp) * scale
+    o_cmp, p_cmp = _softmax_attend(scores, cmp_end[None, :] <= t[:, None], v_cmp, "bhgcn,bnhd->bchgd")
+
+    # 2-3. Selection scores and top-n, shared by the GQA group.
+    if block_indices is None:
+        block_indices = select_blocks(p_cmp.detach(), start, seq_len, l, d, lp, n)
+
+    # 4. Selected branch: gather the tokens of the chosen blocks, causal inside the current block.
+    pos = (block_indices.clamp_min(0)[..., None] * lp + torch.arange(lp, device=device)).flatten(-2)  # [B,H,C,n*l']
+    visible = (block_indices[..., None] >= 0).expand(-1, -1, -1, -1, lp).flatten(-2) & (pos <= t[:, None])
+    pos = pos.clamp_max(seq_len - 1)
+    gather_idx = pos.flatten(2)[..., None].expand(-1, -1, -1, D)  # [B, H, C*n*l', D]
+    k_sel = k_slc.transpose(1, 2).gather(2, gather_idx).view(B, H, C, -1, D)
+    v_sel = v_slc.transpose(1, 2).gather(2, gather_idx).view(B, H, C, -1, D)
+    scores = torch.einsum("bchgd,bhckd->bhgck", q, k_sel) * scale
+    o_slc, _ = _softmax_attend(scores, visible[:, :, None], v_sel, "bhgck,bhckd->bchgd")
+
+    # 5. Sliding window: keys u with t - w < u <= t.
+    k0 = max(0, start - w + 1)
+    u = torch.arange(k0, start + C, device=device)
+    scores = torch.einsum("bchgd,buhd->bhgcu", q, k_win[:, k0:start + C]) * scale
+    visible = (u[None, :] <= t[:, None]) & (u[None, :] > t[:, None] - w)
+    o_win, _ = _softmax_attend(scores, visible, v_win[:, k0:start + C], "bhgcu,buhd->bchgd")
+
+    return torch.stack([o_cmp, o_slc, o_win], dim=-2), block_indices
+
+
+def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
+                  v_cmp: Tensor, gates: Tensor, args: NSAArgs,
+                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n])."""
+    B, T, HQ, D = q.shape
+    H = k_slc.shape[2]
+    qg = q.view(B, T, H, HQ // H, D)
+    outs, indices = [], []
+    for start in range(0, T, args.query_chunk):
+        end = min(T, start + args.query_chunk)
+        chunk_idx = None if block_indices is None else block_indices[:, :, start:end]
+        branches, idx = _chunk(qg[:, start:end], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, start, T, args,
+                               chunk_idx)
+        g = gates[:, start:end].reshape(B, end - start, H, HQ // H, 3, 1)
+        outs.append((g.to(branches.dtype) * branches).sum(-2))
+        indices.append(idx)
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    idx = torch.cat(indices, dim=2) if len(indices) > 1 else indices[0]
+    return out.reshape(B, T, HQ, D), idx

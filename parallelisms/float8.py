@@ -1,0 +1,29 @@
+"""Float8 training of the large linear layers through torchao."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from training.config import Float8Config
+
+# Module names kept in high precision whatever their size: the NSA gate and the compression MLPs are small and
+# steer which blocks are attended; the output head (the root's `output`) feeds the loss directly.
+_SKIPPED_NAMES = {"gate", "compress_k", "compress_v"}
+
+
+def _is_float8_worthy(module: nn.Module, fqn: str, min_features: int) -> bool:
+    if not isinstance(module, nn.Linear) or fqn == "output" or _SKIPPED_NAMES & set(fqn.split(".")):
+        return False
+    dims = (module.in_features, module.out_features)
+    # torch._scaled_mm needs multiples of 16; below min_features the casts cost more than the fp8 matmul saves.
+    return all(d % 16 == 0 and d >= min_features for d in dims)
+
+
+def apply_float8(model: nn.Module, cfg: Float8Config) -> None:
+    """Swap eligible nn.Linear modules for torchao Float8Linear (in place) with the configured scaling recipe."""
+    # Imported here: torchao is only needed (and, on some machines, only installed) for float8 runs.
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(cfg.recipe)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: _is_float8_worthy(module, fqn, cfg.min_features))

@@ -1,0 +1,89 @@
+"""The whole plan: validate it (`check_plan`), then apply float8 -> AC -> compile -> FSDP2/DDP (`parallelize`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.compile import apply_compile
+from parallelisms.data_parallel import apply_ddp, apply_fsdp
+from parallelisms.float8 import apply_float8
+from training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,
+                             ParallelismConfig)
+
+
+def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, compile: CompileConfig,
+               float8: Float8Config, *, world_size: int, device_type: str,
+               gpu_capability: tuple[int, int] | None) -> None:
+    """Raise ConfigError for a plan that cannot run here; call it before creating any process group."""
+    if parallelism.dist_backend == "nccl" and device_type != "cuda":
+        raise ConfigError(f"parallelism.dist_backend = 'nccl' needs CUDA (device is {device_type}): "
+                          "set it to 'gloo' or 'auto'")
+    if world_size > 1:
+        _check_data_parallel(parallelism, compile, world_size)
+    if float8.enable:
+        if device_type != "cuda":
+            raise ConfigError(f"float8.enable = true needs a CUDA GPU of SM89 or newer (device is {device_type}): "
+                              "set float8.enable = false")
+        if gpu_capability is None or gpu_capability < (8, 9):
+            raise ConfigError(f"float8.enable = true needs SM89 or newer (this GPU is SM{_sm(gpu_capability)}): "
+                              "set float8.enable = false")
+
+
+def _sm(capability: tuple[int, int] | None) -> str:
+    return "?" if capability is None else f"{capability[0]}{capability[1]}"
+
+
+def _check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig, world_size: int) -> None:
+    replicas = parallelism.dp_replicate
+    if parallelism.data_parallel == "hsdp":
+        if world_size % replicas:
+            raise ConfigError(f"parallelism.dp_replicate = {replicas} must divide the world size ({world_size}): "
+                              "set it to the node count")
+        if replicas == 1:
+            raise ConfigError("parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp' plain FSDP: "
+                              "set dp_replicate to the node count or data_parallel = 'fsdp'")
+        if replicas == world_size:
+            raise ConfigError(f"parallelism.dp_replicate = {replicas} equals the world size, leaving shard groups "
+                              "of one rank: use parallelism.data_parallel = 'ddp' or a smaller dp_replicate")
+    if parallelism.data_parallel in ("fsdp", "hsdp") and compile.enable:
+        # FSDP2 all-gathers into new storage every step and frees it after use: CUDA graphs replay fixed
+        # addresses, so they would read freed memory.
+        if compile.mode == "max-autotune":
+            raise ConfigError(f"compile.mode = 'max-autotune' uses CUDA graphs, which cannot capture "
+                              f"parallelism.data_parallel = '{parallelism.data_parallel}': "
+                              "use 'max-autotune-no-cudagraphs'")
+        if compile.scope == "model":
+            raise ConfigError(f"compile.scope = 'model' with parallelism.data_parallel = "
+                              f"'{parallelism.data_parallel}': the per-block FSDP hooks would split the graph; "
+                              "use compile.scope = 'block'")
+
+
+def parallelize(model: nn.Module, parallelism: ParallelismConfig, ac: ActivationCheckpointConfig,
+                compile: CompileConfig, float8: Float8Config, mesh: DeviceMesh | None,
+                mixed_precision_dtype: torch.dtype) -> nn.Module:
+    """Apply the plan in place (the model may be on the meta device) and return the model.
+
+    The order matters:
+    1. float8 first: it swaps nn.Linear modules, and the later steps must wrap, trace and shard the final ones.
+    2. AC before compile: compile then traces the checkpointed block, and the partitioner applies the
+       save/recompute policy inside the graph; the other way round the policy would only see opaque compiled code.
+    3. compile before FSDP/DDP: they wrap the compiled blocks, so their collectives run eagerly between the
+       compiled graphs instead of being traced (or breaking the graph).
+    4. FSDP2 (`mixed_precision_dtype` is the parameter dtype of compute; gradients are reduced in fp32), or
+       DDP (parameters stay fp32: the trainer's autocast does mixed precision). Nothing with mesh None.
+    """
+    if float8.enable:
+        apply_float8(model, float8)
+    apply_ac(model, ac)
+    if compile.enable:
+        apply_compile(model, compile)
+    if mesh is not None:
+        if parallelism.data_parallel == "ddp":
+            apply_ddp(model, mesh, parallelism.ddp_bucket_cap_mb)
+        else:
+            apply_fsdp(model, mesh, param_dtype=mixed_precision_dtype, reduce_dtype=torch.float32,
+                       reshard_after_forward=parallelism.reshard_after_forward)
+    return model

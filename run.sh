@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# ./run.sh [RECIPE.toml] [--section.key value ...]
+#
+# Trains a recipe (default recipes/debug.toml) through torchrun. The first run creates .venv and installs the
+# project (torch==2.13.0 first, so pip never swaps in another build).
+# Environment: NGPU (processes per node; default: visible GPUs, else 1), NNODES (default 1), NODE_RANK,
+# MASTER_ADDR, MASTER_PORT (multi-node rendezvous), LOG_RANK (ranks whose output is shown; default 0),
+# PYTHON (interpreter used to create the venv; default python3).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e .
+fi
+PY=.venv/bin/python
+
+RECIPE=recipes/debug.toml
+if [ $# -gt 0 ] && [[ "$1" != --* ]]; then
+    RECIPE=$1
+    shift
+fi
+
+if [ -z "${NGPU:-}" ]; then
+    NGPU=$("$PY" -c "import torch; print(max(1, torch.cuda.device_count()))")
+fi
+NNODES=${NNODES:-1}
+if [ "$NNODES" -gt 1 ]; then
+    RDZV=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK for multi-node runs}"
+          --master_addr "${MASTER_ADDR:?set MASTER_ADDR for multi-node runs}" --master_port "${MASTER_PORT:-29500}")
+else
+    RDZV=(--standalone --nnodes 1)
+fi
+
+if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
+    # One process needs no launcher (train.py makes a one-rank group itself): errors stay one clean line.
+    exec "$PY" train.py "$RECIPE" "$@"
+fi
+# Check the recipe before launching, so a typo is one line instead of a report from every rank.
+"$PY" train.py "$RECIPE" "$@" --print-config >/dev/null
+exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NGPU" \
+    --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
+    train.py "$RECIPE" "$@"

@@ -1,0 +1,269 @@
+"""Data pipeline: tokenizers, sources, packing, hold-out, sharding, exact resume, and bad-input errors."""
+
+import json
+import os
+import pickle
+import re
+from collections import Counter
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets reads its config
+
+import datasets  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from training.config import ConfigError, DataConfig  # noqa: E402
+from training.data import build_data_loader  # noqa: E402
+from training.tokenizer import build_tokenizer  # noqa: E402
+
+DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) + "é€" * (i % 3) for i in range(40)]  # unique, some UTF-8
+EVAL_DOCS, TRAIN_DOCS = DOCS[0::4], [d for i, d in enumerate(DOCS) if i % 4]  # eval_fraction 0.25 below
+EOS = 256
+SEQ_LEN, BATCH = 15, 2
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def make_loader(source, part="train", rank=0, world=1, seed=0, batch_size=BATCH, **overrides):
+    cfg = DataConfig(**{"source": str(source), "seq_len": SEQ_LEN, "eval_fraction": 0.25, **overrides})
+    return build_data_loader(cfg, split=part, batch_size=batch_size, dp_rank=rank, dp_world_size=world, seed=seed)
+
+
+def windows(batch, seq_len=SEQ_LEN) -> torch.Tensor:
+    inputs, labels = batch
+    assert inputs.dtype == labels.dtype == torch.long
+    assert inputs.shape == labels.shape and inputs.shape[1] == seq_len
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    return torch.cat([inputs[:, :1], labels], dim=1)
+
+
+def read_documents(loader, n_docs: int) -> list[str]:
+    """The first n_docs documents of a byte-tokenized loader's packed stream."""
+    stream = []
+    while stream.count(EOS) < n_docs:
+        stream += windows(next(loader)).flatten().tolist()
+    text = bytes(0 if i == EOS else i for i in stream).decode("utf-8", errors="replace")
+    return text.split("\0")[:n_docs]
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    return write_jsonl(tmp_path / "docs.jsonl", DOCS)
+
+
+def bpe_file(tmp_path, special_tokens):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(DOCS * 3, trainer)
+    path = tmp_path / f"bpe_{len(special_tokens)}.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = build_tokenizer("byte")
+    text = "Hello, wörld — ∑ 日本 🙂\n"
+    ids = tokenizer.encode(text)
+    assert (tokenizer.vocab_size, tokenizer.eos_id) == (257, 256)
+    assert ids == list(text.encode()) and max(ids) < 256
+    assert tokenizer.decode(ids + [tokenizer.eos_id]) == text
+
+
+def test_tokenizers_file(tmp_path):
+    path = bpe_file(tmp_path, ["<pad>", "<|endoftext|>"])
+    tokenizer = build_tokenizer(str(path))
+    assert tokenizer.eos_id == 1 and 256 < tokenizer.vocab_size <= 320
+    text = "document 7: lorem ipsum é€"
+    ids = tokenizer.encode(text)
+    assert len(ids) < len(text.encode()) and tokenizer.eos_id not in ids
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_packing_matches_independent_construction(jsonl, tmp_path, tokenizer):
+    spec = "byte" if tokenizer == "byte" else str(bpe_file(tmp_path, ["<|endoftext|>"]))
+    reference = build_tokenizer(spec)
+    one_epoch = [i for doc in EVAL_DOCS for i in reference.encode(doc) + [reference.eos_id]]
+    stream = one_epoch * 4  # eval reads its documents in order, epoch after epoch
+    n_batches = 3 * len(one_epoch) // (3 * (SEQ_LEN + 1))  # about three epochs: crosses two epoch boundaries
+    loader = make_loader(jsonl, part="eval", tokenizer=spec, batch_size=3)
+    assert loader.tokenizer.vocab_size == reference.vocab_size
+    for b in range(n_batches):
+        expected = torch.tensor(stream[b * 3 * (SEQ_LEN + 1):(b + 1) * 3 * (SEQ_LEN + 1)]).view(3, SEQ_LEN + 1)
+        assert torch.equal(windows(next(loader)), expected), f"batch {b}"
+
+
+def test_train_reads_every_document_once_per_epoch_in_a_seeded_order(jsonl):
+    two_epochs = read_documents(make_loader(jsonl, seed=3), 2 * len(TRAIN_DOCS))
+    first, second = two_epochs[:len(TRAIN_DOCS)], two_epochs[len(TRAIN_DOCS):]
+    assert sorted(first) == sorted(second) == sorted(TRAIN_DOCS)
+    assert first != second and first != TRAIN_DOCS  # reshuffled each epoch
+    assert read_documents(make_loader(jsonl, seed=3), len(TRAIN_DOCS)) == first
+    assert read_documents(make_loader(jsonl, seed=4), len(TRAIN_DOCS)) != first
+
+
+def local_source(tmp_path, kind):
+    """A local source in the given format holding DOCS; returns (source, extra config, rows in document order)."""
+    if kind == "jsonl":
+        return write_jsonl(tmp_path / "docs.jsonl", DOCS), {}, DOCS
+    if kind == "json":  # one JSON array
+        (tmp_path / "docs.json").write_text(json.dumps([{"text": d, "n": i} for i, d in enumerate(DOCS)]))
+        return tmp_path / "docs.json", {}, DOCS
+    if kind == "parquet":
+        pq.write_table(pa.table({"id": list(range(len(DOCS))), "body": DOCS}), tmp_path / "docs.parquet")
+        return tmp_path / "docs.parquet", {"text_field": "body"}, DOCS
+    if kind == "txt":  # one document per line; blank lines are read but hold no document
+        rows = [line for doc in DOCS for line in (doc, "")][:-1]
+        (tmp_path / "docs.txt").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        return tmp_path / "docs.txt", {}, rows
+    (tmp_path / "corpus" / "part2").mkdir(parents=True)  # a folder: data files sorted by path, others ignored
+    write_jsonl(tmp_path / "corpus" / "part2" / "b.jsonl", DOCS[25:])
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", DOCS[:25])
+    (tmp_path / "corpus" / "README.md").write_text("not data")
+    return tmp_path / "corpus", {}, DOCS
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt", "folder"])
+def test_local_sources_split_into_disjoint_train_and_eval(tmp_path, kind):
+    source, overrides, rows = local_source(tmp_path, kind)
+    eval_docs = [row for row in rows[0::4] if row]
+    train_docs = [row for i, row in enumerate(rows) if i % 4 and row]
+    got_eval = read_documents(make_loader(source, part="eval", **overrides), len(eval_docs) + 1)
+    got_train = read_documents(make_loader(source, **overrides), len(train_docs))
+    assert got_eval == eval_docs + eval_docs[:1]  # in order, then the next epoch
+    assert Counter(got_train) == Counter(train_docs)
+    assert not set(got_train) & set(got_eval)
+
+
+def test_embedded_corpus_is_real_text():
+    loader = make_loader("embedded", seq_len=256, batch_size=8)
+    assert loader.tokenizer.vocab_size == 257
+    text = "".join(loader.tokenizer.decode(windows(next(loader), 256).flatten().tolist()) for _ in range(20))
+    assert len(text) > 35_000
+    assert sum(c.isascii() for c in text) > 0.99 * len(text)
+    assert sum(c.isalpha() or c == " " for c in text) > 0.75 * len(text)
+    assert len(set(re.findall(r"[a-z]{3,}", text.lower()))) > 1000
+    assert {"the", "return", "function", "object"} <= set(text.lower().split())
+
+
+@pytest.fixture
+def hub_stream(monkeypatch, jsonl):
+    """`hf://local` streams the jsonl fixture, so the hub (IterableDataset) code path runs offline."""
+    load_dataset = datasets.load_dataset
+
+    def fake_load_dataset(name, config=None, *, split, streaming):
+        assert name == "local" and streaming
+        return load_dataset("json", data_files=str(jsonl), split=split, streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    return "hf://local"
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "hub"])
+def test_ranks_read_disjoint_documents(request, jsonl, kind):
+    source = request.getfixturevalue("hub_stream") if kind == "hub" else jsonl
+    for split, docs in [("train", TRAIN_DOCS), ("eval", EVAL_DOCS)]:
+        per_rank = [read_documents(make_loader(source, part=split, rank=r, world=2), len(docs) // 2)
+                    for r in range(2)]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert sorted(per_rank[0] + per_rank[1]) == sorted(docs)
+
+
+def test_hub_stream_holds_out_eval_documents(hub_stream):
+    assert read_documents(make_loader(hub_stream, part="eval"), len(EVAL_DOCS)) == EVAL_DOCS
+    assert read_documents(make_loader(hub_stream), len(TRAIN_DOCS) + 1) == TRAIN_DOCS + TRAIN_DOCS[:1]
+
+
+BATCHES_PER_EPOCH = sum(len(d.encode()) + 1 for d in TRAIN_DOCS) // (BATCH * (SEQ_LEN + 1))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "hub", "synthetic"])
+@pytest.mark.parametrize("k", [0, 5, BATCHES_PER_EPOCH - 1, BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 1])
+def test_resume_yields_exactly_the_next_batches(request, jsonl, kind, k):
+    source = {"jsonl": jsonl, "synthetic": "synthetic"}.get(kind) or request.getfixturevalue("hub_stream")
+    original = make_loader(source, seed=7)
+    for _ in range(k):
+        next(original)
+    state = pickle.loads(pickle.dumps(original.state_dict()))
+    resumed = make_loader(source, seed=7)
+    resumed.load_state_dict(state)
+    for step in range(4):  # k near BATCHES_PER_EPOCH: the next batches cross into the next epoch
+        assert torch.equal(windows(next(resumed)), windows(next(original))), f"batch {k + step}"
+
+
+def test_synthetic_tokens_are_seeded_per_rank_and_split():
+    def first(**kwargs):
+        return windows(next(make_loader("synthetic", batch_size=4, **kwargs)))
+
+    tokens = first()
+    assert 0 <= tokens.min() and tokens.max() < 257 and len(tokens.unique()) > 40
+    assert torch.equal(first(), tokens)
+    for other in [first(seed=1), first(rank=1, world=2), first(part="eval")]:
+        assert not torch.equal(other, tokens)
+
+
+def bad_source(tmp_path, case):
+    if case == "missing":
+        return tmp_path / "nope.jsonl"
+    if case == "csv":
+        (tmp_path / "data.csv").write_text("text\nhello\n")
+        return tmp_path / "data.csv"
+    if case == "empty_folder":
+        (tmp_path / "empty").mkdir()
+        return tmp_path / "empty"
+    if case == "mixed_folder":
+        (tmp_path / "mixed").mkdir()
+        write_jsonl(tmp_path / "mixed" / "a.jsonl", DOCS)
+        (tmp_path / "mixed" / "b.txt").write_text("hello\n")
+        return tmp_path / "mixed"
+    if case == "empty_file":
+        return write_jsonl(tmp_path / "empty.jsonl", [])
+    if case == "blank_txt":
+        (tmp_path / "blank.txt").write_text("\n\n\n\n\n\n\n\n")
+        return tmp_path / "blank.txt"
+    (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    return tmp_path / "broken.jsonl"
+
+
+@pytest.mark.parametrize("case", ["missing", "csv", "empty_folder", "mixed_folder", "empty_file", "blank_txt",
+                                  "broken"])
+def test_bad_source_names_data_source(tmp_path, case):
+    with pytest.raises(ConfigError, match=r"^data\.source: ") as error:
+        next(make_loader(bad_source(tmp_path, case)))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"text_field": "body"}, "data.text_field"),
+    ({"eval_fraction": 0.0}, "data.eval_fraction"),
+    ({"eval_fraction": 1.5}, "data.eval_fraction"),
+    ({"seq_len": 0}, "data.seq_len"),
+    ({"split": "test"}, "data.split"),
+    ({"tokenizer": "missing.json"}, "data.tokenizer"),
+    ({"tokenizer": "NO_EOS"}, "data.tokenizer"),
+    ({"tokenizer": "NOT_JSON"}, "data.tokenizer"),
+])
+def test_bad_setting_names_its_key(tmp_path, jsonl, overrides, key):
+    if overrides.get("tokenizer") == "NO_EOS":
+        overrides = {"tokenizer": str(bpe_file(tmp_path, ["<pad>"]))}
+    if overrides.get("tokenizer") == "NOT_JSON":
+        overrides = {"tokenizer": str(jsonl)}
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        make_loader(jsonl, **overrides)
+
+
+def test_bad_eval_setting_names_its_key(jsonl):
+    with pytest.raises(ConfigError, match=r"^data\.eval_split: "):
+        make_loader(jsonl, part="eval", eval_split="validation")
+    with pytest.raises(ConfigError, match=r"^data\.source: .* 2 documents for 4 data-parallel ranks"):
+        make_loader(write_jsonl(jsonl.parent / "two.jsonl", DOCS[:8]), part="eval", rank=0, world=4)

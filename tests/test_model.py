@@ -1,0 +1,131 @@
+"""The plain model: causality, every parameter in the graph, compile with 0 graph breaks, overfitting, FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nsa_models import get_flavor
+from nsa_models.flops import flops_per_token
+from nsa_models.model import Transformer
+from nsa_models.args import NSAArgs
+
+TINY_NSA = NSAArgs(cmp_block_size=8, cmp_stride=4, sel_block_size=8, n_selected=3, window_size=8, query_chunk=16)
+
+
+def build(flavor: str = "debug", dtype=torch.float32, **overrides) -> Transformer:
+    args = dataclasses.replace(get_flavor(flavor), **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model.to(dtype)
+
+
+def test_meta_build_then_init_gives_finite_weights():
+    model = build()
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n)
+    assert set(model.layers.keys()) == {"0", "1"}
+
+
+@pytest.mark.parametrize("flavor,nsa", [("debug", TINY_NSA), ("debug", dataclasses.replace(TINY_NSA, separate_kv=True,
+                                                                                            compress="mean")),
+                                        ("dense-debug", TINY_NSA)], ids=["nsa", "nsa-separate-kv-mean", "dense"])
+def test_causal(flavor, nsa):
+    model = build(flavor, torch.float64, nsa=nsa)
+    T = 57
+    tokens = torch.randint(0, 256, (2, T))
+    logits = model(tokens)
+    for t in (0, 7, 8, 23, 40):
+        changed = tokens.clone()
+        changed[:, t + 1:] = torch.randint(0, 256, (2, T - t - 1))
+        other = model(changed)
+        torch.testing.assert_close(other[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-10)
+        assert not torch.allclose(other[:, t + 1:], logits[:, t + 1:])
+
+
+@pytest.mark.parametrize("T", [40, 5], ids=["T>=l", "T<l"])
+@pytest.mark.parametrize("separate_kv", [False, True])
+def test_every_parameter_gets_a_gradient(T, separate_kv):
+    model = build(nsa=dataclasses.replace(TINY_NSA, separate_kv=separate_kv))
+    tokens = torch.randint(0, 256, (2, T + 1))
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} dropped out of the graph"
+        # With T < l no query sees a compressed block: phi stays in the graph (DDP needs that) but its
+        # gradient is exactly zero, since the spec makes o_cmp = 0 there.
+        if T < TINY_NSA.cmp_block_size and ".compress_" in name:
+            assert p.grad.abs().sum() == 0
+        else:
+            assert p.grad.abs().sum() > 0, f"{name} got a zero gradient"
+
+
+def test_compiled_block_fullgraph_no_graph_breaks():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = build(nsa=TINY_NSA)
+    block = model.layers["0"]
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    x = torch.randn(2, 40, model.args.dim, requires_grad=True)
+    out = compiled(x, model.rope)
+    out.square().mean().backward()
+    eager_x = x.detach().clone().requires_grad_()
+    eager = block(eager_x, model.rope)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+    assert sum(counters["graph_break"].values()) == 0
+    compiled(torch.randn(2, 40, model.args.dim, requires_grad=True), model.rope)  # same shapes: no recompile
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_debug_flavor_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, 256, (4, 65))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(300):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if loss.item() < 0.1 * losses[0]:
+            break
+    assert losses[-1] < 0.1 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_flops_per_token():
+    nsa, dense = get_flavor("nsa-125m"), get_flavor("dense-125m")
+    # Dense attention grows linearly with T; NSA's selected and window branches saturate.
+    d2k, d32k = flops_per_token(dense, 2048), flops_per_token(dense, 32768)
+    assert d32k.attention["dense"] / d2k.attention["dense"] == pytest.approx(32768.5 / 2048.5)
+    n2k, n32k = flops_per_token(nsa, 2048), flops_per_token(nsa, 32768)
+    assert n32k.total < 0.5 * d32k.total
+    # Window keys at T >> w approach w; selected keys approach n * l' minus the causal half of the last block.
+    from nsa_models.flops import mean_keys_per_query
+
+    keys = mean_keys_per_query(nsa, 1 << 20)
+    assert keys["win"] == pytest.approx(512, rel=1e-3)
+    assert keys["slc"] == pytest.approx(15 * 64 + 32.5, rel=1e-3)
+    assert keys["cmp"] == pytest.approx((1 << 20) / 2 / 16, rel=1e-3)
+    # Counting by brute force at a small T agrees with the closed forms.
+    small = dataclasses.replace(nsa, nsa=NSAArgs(cmp_block_size=4, cmp_stride=2, sel_block_size=4, n_selected=3,
+                                                 window_size=5))
+    T = 23
+    brute_cmp = sum(sum(1 for i in range(T) if i * 2 + 3 <= t) for t in range(T)) / T
+
+    def selected_keys(t: int) -> int:
+        forced = {0, t // 4, t // 4 - 1} & set(range(t // 4 + 1))
+        chosen = forced | set([j for j in range(t // 4 + 1) if j not in forced][: 3 - len(forced)])
+        return sum(1 for u in range(t + 1) if u // 4 in chosen)
+
+    brute_slc = sum(selected_keys(t) for t in range(T)) / T
+    got = mean_keys_per_query(small, T)
+    assert got["cmp"] == pytest.approx(brute_cmp)
+    assert got["win"] == pytest.approx(sum(min(t + 1, 5) for t in range(T)) / T)
+    assert got["slc"] == pytest.approx(brute_slc)

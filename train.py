@@ -1,0 +1,290 @@
+"""Train an NSA (or dense) language model from a TOML recipe.
+
+    ./run.sh recipes/debug.toml --training.steps 100          # via torchrun (any number of processes)
+    python train.py recipes/debug.toml --print-config          # resolved config, nothing else
+
+The recipe is parsed before torch is imported, so a bad key fails in a fraction of a second with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from training.config import Config, ConfigError, config_to_toml, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, print_only = load_config(sys.argv[1:] if argv is None else argv)
+        if print_only:
+            print(config_to_toml(config), end="")
+            return 0
+        Trainer(config).train()
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+class Trainer:
+    """Everything one rank needs for a run, built in the order TorchTitan uses: devices and process group,
+    data, model on meta -> parallelisms -> materialise + init, optimizer, checkpoint (resume), metrics."""
+
+    def __init__(self, config: Config):
+        import torch
+
+        self.config = config
+        cfg = config.training
+        self.device = self._pick_device(cfg.device)
+        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self._init_distributed(config)
+
+        torch.manual_seed(cfg.seed)
+        if config.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        self.run_dir = Path(config.job.run_dir)
+        self._prepare_run_dir()
+        self.compute_dtype = (torch.bfloat16 if cfg.mixed_precision == "bf16" or
+                              (cfg.mixed_precision == "auto" and self.device.type == "cuda") else torch.float32)
+
+        from training.data import build_data_loader
+
+        dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
+        per_step = cfg.micro_batch_size * config.data.seq_len * dp_size
+        if cfg.global_batch_tokens % per_step:
+            raise ConfigError(f"training.global_batch_tokens = {cfg.global_batch_tokens} is not a multiple of "
+                              f"micro_batch_size x seq_len x data-parallel ranks = {per_step}: pick a multiple")
+        self.grad_accum = cfg.global_batch_tokens // per_step
+        loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed)
+        self.train_loader = build_data_loader(config.data, split="train", **loader_args)
+        self.eval_loader = build_data_loader(config.data, split="eval", **loader_args) if cfg.eval_interval else None
+        vocab = self.train_loader.tokenizer.vocab_size
+        if vocab > config.model.vocab_size:
+            raise ConfigError(f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({vocab}, data.tokenizer = {config.data.tokenizer!r}): raise it")
+
+        self.model = self._build_model()
+        from parallelisms import compile_loss
+        from training.optim import build_lr_scheduler, build_optimizer
+
+        self.loss_fn = compile_loss(cross_entropy, config.compile) if config.compile.enable else cross_entropy
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, cfg.steps)
+
+        from training.checkpoint import (CheckpointManager, ModelState, OptimizerState, RankLocalState,
+                                         RNGState)
+
+        self.checkpointer = CheckpointManager(config.checkpoint, self.run_dir)
+        self.states = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                       "lr_scheduler": self.lr_scheduler, "data": RankLocalState(self.train_loader),
+                       "rng": RankLocalState(RNGState())}
+        self.step = 0
+        resume = self.checkpointer.resume_path()
+        if resume is not None:
+            self.step = self.checkpointer.load(resume, self.states)
+            self._print(f"resumed from {resume} at step {self.step}")
+
+        from training.metrics import MetricLogger
+
+        self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=cfg.steps,
+                                    config_text=config_to_toml(config))
+
+    def _pick_device(self, choice: str):
+        import torch
+
+        if choice == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("training.device = 'cuda' but no CUDA GPU is visible: run on a GPU machine or set "
+                              "--training.device cpu")
+        if choice == "cpu" or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+    def _init_distributed(self, config: Config) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from parallelisms import build_mesh, check_plan
+
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        check_plan(config.parallelism, config.activation_checkpoint, config.compile, config.float8,
+                   world_size=self.world_size, device_type=self.device.type, gpu_capability=capability)
+        backend = config.parallelism.dist_backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # Object collectives (checkpoint metadata) go over gloo, tensors over NCCL.
+            backend = "cuda:nccl,cpu:gloo" if backend == "nccl" else backend
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group(backend, device_id=self.device if self.device.type == "cuda" else None)
+        else:  # plain `python train.py`: a one-process group, so the same code paths run
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.mesh = build_mesh(config.parallelism, self.world_size, self.device.type)
+
+    def _prepare_run_dir(self) -> None:
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.toml").write_text(config_to_toml(self.config))
+            except OSError as e:
+                raise ConfigError(f"job.run_dir = {str(self.run_dir)!r} is not writable ({e.strerror}): "
+                                  "choose another directory") from None
+        dist.barrier()
+
+    def _build_model(self):
+        import torch
+
+        from nsa_models.model import Transformer
+        from nsa_models.nsa import BACKENDS
+        from parallelisms import parallelize
+
+        nsa = self.config.model.nsa
+        if self.config.model.attention == "nsa" and nsa.backend not in BACKENDS:
+            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} is not built in this version (built: "
+                              f"{', '.join(BACKENDS)}): set --model.nsa.backend reference")
+        with torch.device("meta"):
+            model = Transformer(self.config.model)
+        parallelize(model, self.config.parallelism, self.config.activation_checkpoint, self.config.compile,
+                    self.config.float8, self.mesh, self.compute_dtype)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device)
+        model.train()
+        n_params = sum(p.numel() for p in model.parameters())
+        self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "
+                    f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}")
+        return model
+
+    def _autocast(self):
+        import torch
+
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
+        fsdp = self.mesh is not None and self.config.parallelism.data_parallel != "ddp"
+        if self.compute_dtype == torch.float32 or fsdp:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _print(self, message: str) -> None:
+        if self.rank == self.config.metrics.log_rank:
+            print(message, flush=True)
+
+    def _mean_over_ranks(self, value):
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        return value
+
+    def train_step(self):
+        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds)."""
+        import torch
+
+        data_time, total = 0.0, torch.zeros((), device=self.device)
+        for _ in range(self.grad_accum):
+            start = time.perf_counter()
+            inputs, labels = (t.to(self.device, non_blocking=True) for t in next(self.train_loader))
+            data_time += time.perf_counter() - start
+            with self._autocast():
+                loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum
+            loss.backward()
+            total += loss.detach()
+        max_norm = self.config.training.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grad_norm, data_time
+
+    def evaluate(self) -> float:
+        import torch
+
+        state = self.eval_loader.state_dict()  # every evaluation reads the same held-out batches
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad(), self._autocast():
+            for _ in range(self.config.training.eval_batches):
+                inputs, labels = (t.to(self.device) for t in next(self.eval_loader))
+                total += self.loss_fn(self.model(inputs), labels)
+        self.model.train()
+        self.eval_loader.load_state_dict(state)
+        return self._mean_over_ranks(total / self.config.training.eval_batches).item()
+
+    def train(self) -> None:
+        import torch
+
+        from parallelisms import compile_counters
+        from training.metrics import memory_gib
+
+        cfg = self.config.training
+        tokens_per_step = cfg.global_batch_tokens
+        self._print(f"training {cfg.steps} steps of {tokens_per_step:,} tokens "
+                    f"({self.grad_accum} micro-batches of {cfg.micro_batch_size} x {self.config.data.seq_len} "
+                    f"per rank), run_dir {self.run_dir}")
+        profiler = self._profiler()
+        window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
+        while self.step < cfg.steps:
+            self.step += 1
+            loss, grad_norm, step_data_time = self.train_step()
+            window_steps += 1
+            data_time += step_data_time
+            if profiler is not None:
+                profiler.step()
+            if self.step == 2 and self.config.compile.enable:
+                counts = compile_counters()
+                self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+                self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
+            if self.metrics.should_log(self.step):
+                loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
+                elapsed = (time.perf_counter() - window_start) / window_steps
+                allocated, reserved = memory_gib(self.device)
+                self.metrics.log(self.step, {
+                    "train/loss": loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
+                    "train/grad_norm": grad_norm.item(), "perf/tokens_per_s": tokens_per_step / elapsed,
+                    "perf/step_time_s": elapsed, "perf/data_time_s": data_time / window_steps,
+                    "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
+                window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
+            if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
+                self.metrics.log(self.step, {"eval/loss": self.evaluate()})
+            self.checkpointer.save(self.step, self.states, final=self.step == cfg.steps)
+        if profiler is not None:
+            profiler.stop()
+        if self.config.checkpoint.export_weights:
+            self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
+        self.metrics.close()
+        self._print(f"done: {self.step} steps; run_dir {self.run_dir}")
+        torch.distributed.destroy_process_group()
+
+    def _profiler(self):
+        import torch
+
+        p = self.config.profiling
+        if not p.enable:
+            return None
+        wait = max(0, p.start_step - self.step - 1)
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=wait, warmup=0, active=p.num_steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.run_dir / "profile"),
+                                                                    worker_name=f"rank{self.rank}"),
+            record_shapes=True, profile_memory=True, with_stack=False)
+        profiler.start()
+        return profiler
+
+
+def cross_entropy(logits, labels):
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

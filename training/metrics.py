@@ -1,0 +1,67 @@
+"""Console lines and tensorboard scalars for the training loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from training.config import MetricsConfig
+
+
+def memory_gib(device: torch.device) -> tuple[float, float]:
+    """(max allocated, max reserved) GiB on a CUDA device; on CPU the process's peak RSS for both."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return rss, rss
+
+
+class MetricLogger:
+    """Prints one line per log step (on `metrics.log_rank`) and writes the same scalars to `<run_dir>/tb`."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, *, rank: int, total_steps: int, config_text: str):
+        self.cfg, self.total_steps = cfg, total_steps
+        self.active = rank == cfg.log_rank
+        self.writer = None
+        self.start_time: float | None = None
+        self.start_step = 0
+        if self.active and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
+            self.writer.add_text("config", "```toml\n" + config_text + "\n```")
+
+    def should_log(self, step: int) -> bool:
+        return step % self.cfg.log_freq == 0 or step == self.total_steps
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        """Write `scalars` (tensorboard tags) for `step`; training steps also print the console line."""
+        if not self.active:
+            return
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()  # a crash must not lose what was already logged
+        if "train/loss" in scalars:
+            print(self._line(step, scalars), flush=True)
+        elif "eval/loss" in scalars:
+            print(f"step {step:>6}  eval loss {scalars['eval/loss']:.4f}", flush=True)
+
+    def _line(self, step: int, s: dict[str, float]) -> str:
+        now = time.perf_counter()
+        if self.start_time is None:
+            self.start_time, self.start_step = now - s["perf/step_time_s"], step - 1
+        rate = (now - self.start_time) / max(1, step - self.start_step)
+        eta = rate * (self.total_steps - step)
+        return (f"step {step:>6}/{self.total_steps}  loss {s['train/loss']:.4f}  lr {s['train/lr']:.2e}  "
+                f"gnorm {s['train/grad_norm']:.3f}  tok/s {s['perf/tokens_per_s']:,.0f}  "
+                f"step {s['perf/step_time_s'] * 1000:.0f} ms  mem {s['memory/max_allocated_gib']:.2f} GiB  "
+                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

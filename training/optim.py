@@ -1,0 +1,38 @@
+"""AdamW and the warmup -> stable -> decay (WSD) learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from training.config import LRSchedulerConfig, OptimizerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; fused on CUDA (one kernel for all parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=device_type == "cuda")
+
+
+def lr_multiplier(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
+    """Share of the peak LR after `step` optimizer steps: linear warmup, flat, then the last `decay_ratio`
+    of the steps decay to `min_lr_ratio` (linear or cosine)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    decay_steps = max(1, round(cfg.decay_ratio * (total_steps - cfg.warmup_steps)))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    shape = 1.0 - progress if cfg.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
