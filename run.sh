@@ -1,20 +1,15 @@
 #!/usr/bin/env bash
 # ./run.sh [RECIPE.toml] [--section.key value ...]
 #
-# Trains a recipe (default recipes/debug.toml) through torchrun. The first run creates .venv and installs the
-# project (torch==2.13.0 first, so pip never swaps in another build).
+# Trains a recipe (default recipes/debug.toml); several processes go through torchrun. The first run creates
+# .venv and installs the project (scripts/ensure_venv.sh).
 # Environment: NGPU (processes per node; default: visible GPUs, else 1), NNODES (default 1), NODE_RANK,
 # MASTER_ADDR, MASTER_PORT (multi-node rendezvous), LOG_RANK (ranks whose output is shown; default 0),
 # PYTHON (interpreter used to create the venv; default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e .
-fi
+scripts/ensure_venv.sh
 PY=.venv/bin/python
 
 RECIPE=recipes/debug.toml

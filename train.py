@@ -149,13 +149,21 @@ class Trainer:
         if self.config.model.attention == "nsa" and nsa.backend not in BACKENDS:
             raise ConfigError(f"model.nsa.backend = {nsa.backend!r} is not built in this version (built: "
                               f"{', '.join(BACKENDS)}): set --model.nsa.backend reference")
-        with torch.device("meta"):
+        # On CUDA: build on meta, shard, then materialise only this rank's shard and initialise it (DTensor's
+        # RNG tracker gives each shard its own numbers). DTensor has no such tracker on CPU, where every rank
+        # would draw the same numbers for its shard: there the model is initialised whole, then sharded.
+        on_meta = self.device.type == "cuda"
+        with torch.device("meta" if on_meta else self.device):
             model = Transformer(self.config.model)
+        if not on_meta:
+            with torch.no_grad():
+                model.init_weights(buffer_device=self.device)
         parallelize(model, self.config.parallelism, self.config.activation_checkpoint, self.config.compile,
                     self.config.float8, self.mesh, self.compute_dtype)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
+        if on_meta:
+            model.to_empty(device=self.device)
+            with torch.no_grad():
+                model.init_weights(buffer_device=self.device)
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "

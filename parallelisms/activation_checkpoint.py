@@ -21,8 +21,8 @@ from training.config import ActivationCheckpointConfig
 _ALWAYS_SAVE = {torch.ops.nsa.select_blocks.default}
 
 # `selective_op` also keeps the expensive outputs: matmuls (linears, the reference backend's einsums, float8's
-# scaled mm and the `max` behind its tensorwise scales) and fused attention; everything else (norms, activations, rope,
-# softmax) is recomputed.
+# scaled mm and the `max` behind its tensorwise scales) and fused attention; everything else (norms, activations,
+# rope, softmax) is recomputed.
 _SELECTIVE_SAVE = _ALWAYS_SAVE | {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -58,4 +58,5 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     for i, (name, block) in enumerate(model.layers.named_children()):
         if cfg.mode == "every_n" and (i + 1) % cfg.every_n:
             continue
-        model.layers.register_module(name, checkpoint_wrapper(block, context_fn=functools.partial(_context_fn, save)))
+        wrapped = checkpoint_wrapper(block, context_fn=functools.partial(_context_fn, save))
+        model.layers.register_module(name, wrapped)

@@ -12,7 +12,7 @@ from training.config import CompileConfig
 
 
 def _compile(fn: Callable, cfg: CompileConfig) -> Callable:
-    # dynamic=False: shapes are fixed per run; a recompile on a new shape is cheaper than symbolic-shape kernels.
+    # dynamic=False: shapes are fixed per run (static shapes give the best kernels); a new shape just recompiles.
     return torch.compile(fn, fullgraph=cfg.fullgraph, mode=cfg.mode, dynamic=False)
 
 

@@ -17,7 +17,10 @@ from training.config import (ActivationCheckpointConfig, CompileConfig, ConfigEr
 def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, compile: CompileConfig,
                float8: Float8Config, *, world_size: int, device_type: str,
                gpu_capability: tuple[int, int] | None) -> None:
-    """Raise ConfigError for a plan that cannot run here; call it before creating any process group."""
+    """Raise ConfigError for a plan that cannot run here; call it before creating any process group.
+
+    `ac` is part of the plan for completeness: every activation-checkpoint setting combines with the rest.
+    """
     if parallelism.dist_backend == "nccl" and device_type != "cuda":
         raise ConfigError(f"parallelism.dist_backend = 'nccl' needs CUDA (device is {device_type}): "
                           "set it to 'gloo' or 'auto'")
@@ -45,9 +48,6 @@ def _check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig,
         if replicas == 1:
             raise ConfigError("parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp' plain FSDP: "
                               "set dp_replicate to the node count or data_parallel = 'fsdp'")
-        if replicas == world_size:
-            raise ConfigError(f"parallelism.dp_replicate = {replicas} equals the world size, leaving shard groups "
-                              "of one rank: use parallelism.data_parallel = 'ddp' or a smaller dp_replicate")
     if parallelism.data_parallel in ("fsdp", "hsdp") and compile.enable:
         # FSDP2 all-gathers into new storage every step and frees it after use: CUDA graphs replay fixed
         # addresses, so they would read freed memory.

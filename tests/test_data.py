@@ -212,6 +212,14 @@ def test_synthetic_tokens_are_seeded_per_rank_and_split():
         assert not torch.equal(other, tokens)
 
 
+def test_synthetic_global_batch_does_not_depend_on_the_rank_count():
+    single = make_loader("synthetic", batch_size=2)
+    ranks = [make_loader("synthetic", batch_size=2, rank=r, world=2) for r in range(2)]
+    for _ in range(3):  # one step of 2 ranks x 1 micro-batch = one step of 1 rank x 2 micro-batches
+        together = torch.cat([windows(next(single)), windows(next(single))])
+        assert torch.equal(torch.cat([windows(next(loader)) for loader in ranks]), together)
+
+
 def bad_source(tmp_path, case):
     if case == "missing":
         return tmp_path / "nope.jsonl"

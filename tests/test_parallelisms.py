@@ -1,12 +1,12 @@
 """parallelisms: AC policies, compile, float8 conversion, plan checks, and DDP / FSDP2 / HSDP on 2 gloo ranks.
 
-2-process runs go through torchrun (tests/dist/train_worker.py) with a timeout, so a hang fails the test.
+2-process runs go through torchrun (tests/dist/train_worker.py) with a timeout, so a hang fails the test; they
+inherit conftest's TORCHINDUCTOR_CACHE_DIR.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,8 +20,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-# One inductor cache for the whole run (and its subprocesses): warm compiles take ~1.5 s instead of ~10 s.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".inductor_cache"))
 sys.path.insert(0, str(REPO))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402

@@ -53,7 +53,8 @@ def build_data_loader(cfg: DataConfig, *, split: Split, batch_size: int, dp_rank
         raise ConfigError(f"data.seq_len: {cfg.seq_len} is not a sequence length; set a positive value")
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.source == "synthetic":
-        return SyntheticLoader(tokenizer, cfg.seq_len, batch_size, seed=(seed, dp_rank, split == "eval"))
+        return SyntheticLoader(tokenizer, cfg.seq_len, batch_size, seed=(seed, split == "eval"), dp_rank=dp_rank,
+                               dp_world_size=dp_world_size)
     documents = _held_out(_load_documents(cfg, split), cfg, split)
     where = f"{split} split of data.source {cfg.source!r}"
     if isinstance(documents, datasets.Dataset) and len(documents) < dp_world_size:
@@ -212,21 +213,27 @@ class PackedLoader:
 
 
 class SyntheticLoader:
-    """Uniform random token ids; batch i depends only on (seed, i), so the state is the batch counter."""
+    """Uniform random token ids. Sample k of the global stream depends only on (seed, split, k), and rank r of
+    W takes samples [(i*W + r)*b, (i*W + r + 1)*b) for its batch i: the global batch of a step is the same for
+    any number of ranks (so 1-rank and N-rank runs can be compared loss for loss). State: the batch counter."""
 
-    def __init__(self, tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: tuple[int, ...]):
+    def __init__(self, tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: tuple[int, ...], dp_rank: int,
+                 dp_world_size: int):
         self.tokenizer = tokenizer
-        self._shape = (batch_size, seq_len + 1)
+        self._seq_len, self._batch_size = seq_len, batch_size
         self._seed = [int(s) for s in seed]
+        self._rank, self._world = dp_rank, dp_world_size
         self._step = 0
 
     def __iter__(self) -> SyntheticLoader:
         return self
 
     def __next__(self) -> Batch:
-        rng = np.random.default_rng(self._seed + [self._step])
+        first = (self._step * self._world + self._rank) * self._batch_size
         self._step += 1
-        windows = torch.from_numpy(rng.integers(0, self.tokenizer.vocab_size, self._shape, dtype=np.int64))
+        windows = torch.from_numpy(np.stack([
+            np.random.default_rng(self._seed + [k]).integers(0, self.tokenizer.vocab_size, self._seq_len + 1)
+            for k in range(first, first + self._batch_size)]))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def state_dict(self) -> dict:

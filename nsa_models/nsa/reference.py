@@ -64,26 +64,25 @@ def _(p_cmp, q_start, seq_len, block, stride, sel_block, n_selected):
     return p_cmp.new_empty((B, H, C, n_selected), dtype=torch.int64)
 
 
-def _softmax_attend(scores: Tensor, visible: Tensor, values: Tensor, equation: str) -> tuple[Tensor, Tensor]:
-    """Masked softmax over the last dim, then `einsum(equation, probs, values)`.
-
-    Rows with no visible key give probabilities and output 0 (no NaN in forward or backward).
-    """
-    # Softmax in at least fp32 (bf16 inputs), in fp64 for fp64 inputs (the tests' oracle precision).
+def _masked_softmax(scores: Tensor, visible: Tensor) -> Tensor:
+    """Softmax over the last dim of the visible entries; rows with no visible key give all zeros (no NaN in
+    forward or backward). Computed in at least fp32 (bf16 inputs), in fp64 for fp64 inputs (the oracle's)."""
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
-    if scores.shape[-1] == 0:  # no key at all (static shape): the einsum below yields zeros, grads stay defined
-        return torch.einsum(equation, scores.to(values.dtype), values), scores
+    if scores.shape[-1] == 0:  # no key at all (static shape): callers' products give zeros, grads stay defined
+        return scores
     row_max = scores.amax(-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
-    probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
-    return torch.einsum(equation, probs.to(values.dtype), values), probs
+    return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
 def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
-           start: int, seq_len: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Branch outputs [B, C, H, G, 3, D] and block indices [B, H, C, n] for queries start .. start+C-1."""
-    B, C, H, G, D = q.shape
+           start: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[list[Tensor], Tensor]:
+    """Branch outputs (cmp, slc, win), each [B, H, G, C, D], and block indices [B, H, C, n] for queries
+    start .. start+C-1. Head-major layouts throughout: q [B, H, G, C, D], keys/values [B, H, T or Nc, D], so
+    every product is a batched matmul with no layout copies."""
+    B, H, G, C, D = q.shape
+    seq_len = k_slc.shape[2]
     scale = D ** -0.5
     device = q.device
     t = torch.arange(start, start + C, device=device)  # absolute query positions
@@ -91,10 +90,9 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
                       args.window_size)
 
     # 1. Compressed branch: block i is visible to query t iff i*d + l - 1 <= t.
-    n_cmp = k_cmp.shape[1]
-    cmp_end = torch.arange(n_cmp, device=device) * d + l - 1
-    scores = torch.einsum("bchgd,bnhd->bhgcn", q, k_cmp) * scale
-    o_cmp, p_cmp = _softmax_attend(scores, cmp_end[None, :] <= t[:, None], v_cmp, "bhgcn,bnhd->bchgd")
+    cmp_end = torch.arange(k_cmp.shape[2], device=device) * d + l - 1
+    p_cmp = _masked_softmax(q @ k_cmp.transpose(-1, -2).unsqueeze(2) * scale, cmp_end <= t[:, None])
+    o_cmp = p_cmp.to(v_cmp.dtype) @ v_cmp.unsqueeze(2)
 
     # 2-3. Selection scores and top-n, shared by the GQA group.
     if block_indices is None:
@@ -103,21 +101,20 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     # 4. Selected branch: gather the tokens of the chosen blocks, causal inside the current block.
     pos = (block_indices.clamp_min(0)[..., None] * lp + torch.arange(lp, device=device)).flatten(-2)  # [B,H,C,n*l']
     visible = (block_indices[..., None] >= 0).expand(-1, -1, -1, -1, lp).flatten(-2) & (pos <= t[:, None])
-    pos = pos.clamp_max(seq_len - 1)
-    gather_idx = pos.flatten(2)[..., None].expand(-1, -1, -1, D)  # [B, H, C*n*l', D]
-    k_sel = k_slc.transpose(1, 2).gather(2, gather_idx).view(B, H, C, -1, D)
-    v_sel = v_slc.transpose(1, 2).gather(2, gather_idx).view(B, H, C, -1, D)
-    scores = torch.einsum("bchgd,bhckd->bhgck", q, k_sel) * scale
-    o_slc, _ = _softmax_attend(scores, visible[:, :, None], v_sel, "bhgck,bhckd->bchgd")
+    gather_idx = pos.clamp_max(seq_len - 1).flatten(2)[..., None].expand(-1, -1, -1, D)  # [B, H, C*n*l', D]
+    k_sel = k_slc.gather(2, gather_idx).view(B, H, C, -1, D)
+    v_sel = v_slc.gather(2, gather_idx).view(B, H, C, -1, D)
+    q_by_pos = q.transpose(2, 3)  # [B, H, C, G, D]: the group's heads share the gathered keys
+    p_slc = _masked_softmax(q_by_pos @ k_sel.transpose(-1, -2) * scale, visible.unsqueeze(3))
+    o_slc = (p_slc.to(v_sel.dtype) @ v_sel).transpose(2, 3)
 
     # 5. Sliding window: keys u with t - w < u <= t.
     k0 = max(0, start - w + 1)
     u = torch.arange(k0, start + C, device=device)
-    scores = torch.einsum("bchgd,buhd->bhgcu", q, k_win[:, k0:start + C]) * scale
-    visible = (u[None, :] <= t[:, None]) & (u[None, :] > t[:, None] - w)
-    o_win, _ = _softmax_attend(scores, visible, v_win[:, k0:start + C], "bhgcu,buhd->bchgd")
-
-    return torch.stack([o_cmp, o_slc, o_win], dim=-2), block_indices
+    visible = (u <= t[:, None]) & (u > t[:, None] - w)
+    p_win = _masked_softmax(q @ k_win[:, :, k0:start + C].transpose(-1, -2).unsqueeze(2) * scale, visible)
+    o_win = p_win.to(v_win.dtype) @ v_win[:, :, k0:start + C].unsqueeze(2)
+    return [o_cmp, o_slc, o_win], block_indices
 
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
@@ -126,16 +123,18 @@ def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n])."""
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
-    qg = q.view(B, T, H, HQ // H, D)
+    G = HQ // H
+    qh = q.view(B, T, H, G, D).permute(0, 2, 3, 1, 4)  # [B, H, G, T, D]
+    kv = [x.transpose(1, 2) for x in (k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)]  # [B, H, T or Nc, D]
+    gh = gates.view(B, T, H, G, 3).permute(0, 2, 3, 1, 4)  # [B, H, G, T, 3]
     outs, indices = [], []
     for start in range(0, T, args.query_chunk):
         end = min(T, start + args.query_chunk)
         chunk_idx = None if block_indices is None else block_indices[:, :, start:end]
-        branches, idx = _chunk(qg[:, start:end], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, start, T, args,
-                               chunk_idx)
-        g = gates[:, start:end].reshape(B, end - start, H, HQ // H, 3, 1)
-        outs.append((g.to(branches.dtype) * branches).sum(-2))
+        branches, idx = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx)
+        g = gh[:, :, :, start:end].to(branches[0].dtype)
+        outs.append(sum(g[..., i:i + 1] * o for i, o in enumerate(branches)))
         indices.append(idx)
-    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     idx = torch.cat(indices, dim=2) if len(indices) > 1 else indices[0]
-    return out.reshape(B, T, HQ, D), idx
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D), idx

@@ -1,0 +1,90 @@
+"""Forward+backward time and peak memory of one transformer block, NSA against its dense twin.
+
+    python bench/layer.py --device cpu --seq-lens 2048 8192
+    python bench/layer.py --device cuda --seq-lens 2048 8192 32768 --compile
+
+Prints a markdown table (one row per flavor x T) for docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nsa_models import get_flavor  # noqa: E402
+from nsa_models.model import TransformerBlock, rope_cache  # noqa: E402
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+
+
+def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,
+               query_chunk: int) -> tuple[float, float]:
+    """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [1, T, dim] input."""
+    args = get_flavor(flavor)
+    args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
+                               nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk))
+    torch.manual_seed(0)
+    block = TransformerBlock(0, args).to(device)
+    block.init_weights(args.init_std, args.n_layers)
+    rope = rope_cache(T, args.head_dim, args.rope_theta, device)
+    fn = torch.compile(block, fullgraph=True, dynamic=False) if compile else block
+    x = torch.randn(1, T, args.dim, device=device, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = fn(x, rope)
+        out.float().square().mean().backward()
+
+    for _ in range(2):  # warm-up (and compilation)
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), peak_bytes(device) / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--flavors", nargs="+", default=["nsa-125m", "dense-125m"])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--query-chunk", type=int, default=512, help="reference backend's query chunk")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
+    opts = parser.parse_args()
+    device = torch.device(opts.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"# one block, B=1, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} CPU threads, compile={opts.compile}")
+    print("| flavor | T | fwd+bwd ms | peak GiB |")
+    print("|---|---|---|---|")
+    for flavor in opts.flavors:
+        for T in opts.seq_lens:
+            ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk)
+            print(f"| {flavor} | {T} | {ms:.1f} | {gib:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

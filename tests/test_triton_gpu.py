@@ -1,0 +1,118 @@
+"""The `triton` NSA backend on a CUDA GPU against the reference: outputs, selected blocks and every gradient.
+
+bf16 runs are compared with the fp32 reference on the same (bf16-rounded) inputs and the blocks the backend
+chose, since bf16 compressed scores may legitimately rank near-equal blocks differently.
+"""
+
+import pytest
+import torch
+
+from bench.attention import random_block_indices
+from nsa_models.args import NSAArgs
+from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
+from nsa_models.nsa.triton_backend import nsa_triton
+from nsa_models.nsa.triton_selected import selected_attention
+
+pytestmark = pytest.mark.gpu
+
+HYPERS = [dict(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512),
+          dict(cmp_block_size=64, cmp_stride=64, sel_block_size=64, n_selected=16, window_size=512)]
+LENGTHS = [1, 31, 64, 1000, 4113]
+GROUPS_DIMS = [(1, 64), (2, 128), (4, 64), (8, 128), (16, 64), (16, 128)]  # every G and D, few compiles
+NAMES = ["q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates"]
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, or the RMS of a - b where b is numerically zero (dq and dk when T = 1 are rounding)."""
+    diff, scale = (a.float() - b.float()).norm().item(), b.float().norm().item()
+    if scale <= 1e-3 * b.numel() ** 0.5:
+        return diff / max(1, b.numel()) ** 0.5
+    return diff / scale
+
+
+def make_leaves(B: int, T: int, H: int, G: int, D: int, args: NSAArgs, dtype: torch.dtype, separate: bool):
+    """q, k_slc, v_slc, (k_win, v_win when separate), k_cmp, v_cmp, gates."""
+    gen = torch.Generator(device="cuda").manual_seed(T * 31 + G * 7 + D)
+    n_cmp = num_cmp_blocks(T, args.cmp_block_size, args.cmp_stride)
+    kv_shapes = [(B, T, H, D)] * (4 if separate else 2) + [(B, n_cmp, H, D)] * 2
+    leaves = [torch.randn(s, generator=gen, device="cuda") for s in [(B, T, H * G, D)] + kv_shapes]
+    leaves[0] = leaves[0] * 2  # sharper compressed softmax: selection depends on the inputs
+    leaves.append(torch.rand(B, T, H * G, 3, generator=gen, device="cuda"))
+    return [t.to(dtype).requires_grad_() for t in leaves]
+
+
+def as_call(leaves: list, separate: bool) -> list:
+    """The 8 backend arguments; a shared K/V (the model's default) serves the selected and window branches."""
+    return leaves if separate else leaves[:3] + leaves[1:3] + leaves[3:]
+
+
+def check_backend(T: int, G: int, D: int, hyper: dict, dtype: torch.dtype, window_backend: str, separate: bool):
+    args = NSAArgs(**hyper, window_backend=window_backend)
+    B, H = (1, 2) if T >= 1000 else (2, 2)
+    leaves = make_leaves(B, T, H, G, D, args, dtype, separate)
+    out, idx = nsa_triton(*as_call(leaves, separate), args)
+    ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+    want, _ = nsa_reference(*as_call(ref_leaves, separate), args, idx)
+    cot = torch.randn_like(want)
+    grads = torch.autograd.grad((out.float() * cot).sum(), leaves)
+    want_grads = torch.autograd.grad((want * cot).sum(), ref_leaves)
+    names = NAMES if separate else NAMES[:3] + NAMES[5:]
+    errors = {"out": rel_err(out, want)} | {f"d{n}": rel_err(g, w) for n, g, w in zip(names, grads, want_grads)}
+    assert max(errors.values()) <= TOL[dtype], errors
+    assert all(torch.isfinite(g).all() for g in grads)
+    if dtype == torch.float32:  # the same fp32 compressed scores: the reference's selection, bit for bit
+        assert torch.equal(idx, nsa_reference(*as_call(ref_leaves, separate), args)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("G,D", GROUPS_DIMS)
+def test_backend_matches_reference(T: int, G: int, D: int, dtype: torch.dtype):
+    hyper = HYPERS[(LENGTHS.index(T) + GROUPS_DIMS.index((G, D))) % 2]
+    check_backend(T, G, D, hyper, dtype, "sdpa", separate=T == 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_with_flex_window(dtype: torch.dtype):
+    check_backend(4113, 16, 128, HYPERS[0], dtype, "flex", separate=False)
+
+
+def test_long_sequence_forward_and_deterministic_backward():
+    """T = 65536: forward against the reference's selected branch; backward finite and bitwise reproducible."""
+    B, T, H, G, D, block, n = 1, 65536, 1, 16, 128, 64, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (H * G, H, H))
+    idx = random_block_indices(B, H, T, n, block, "cuda")
+    out = selected_attention(q, k, v, idx, block)
+    gates = torch.zeros(B, T, H * G, 3, device="cuda")
+    gates[..., 1] = 1  # the reference's selected branch alone
+    args = NSAArgs(cmp_block_size=block, cmp_stride=block, sel_block_size=block, n_selected=n, window_size=1)
+    with torch.no_grad():
+        empty = torch.zeros(B, 0, H, D, device="cuda")
+        want, _ = nsa_reference(q.float(), k.float(), v.float(), k.float(), v.float(), empty, empty, gates, args,
+                                idx)
+    assert rel_err(out, want) <= 1e-2
+    cot = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), cot)
+    second = torch.autograd.grad(selected_attention(q, k, v, idx, block), (q, k, v), cot)
+    for a, b in zip(first, second):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+def test_compile_fullgraph_matches_eager():
+    B, T, H, G, D, block = 1, 1000, 2, 4, 64, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (H * G, H, H))
+    idx = random_block_indices(B, H, T, 16, block, "cuda")
+    cot = torch.randn(B, T, H * G, D, device="cuda", dtype=torch.bfloat16)
+
+    def loss(q, k, v):
+        return (selected_attention(q, k, v, idx, block).float() * cot).sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    for e, c in zip(eager, compiled):
+        assert rel_err(c, e) <= 1e-2

@@ -1,0 +1,136 @@
+"""Triton selected attention and the `triton` backend under the Triton interpreter (CPU), against the reference.
+
+The kernels run in fp32 (the interpreter's bf16 tl.dot is wrong); the oracle is the reference in fp64.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nsa_models.args import NSAArgs  # noqa: E402
+from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks  # noqa: E402
+from nsa_models.nsa.triton_backend import nsa_triton  # noqa: E402
+from nsa_models.nsa import triton_selected  # noqa: E402
+from nsa_models.nsa.triton_selected import selected_attention_fwd  # noqa: E402
+
+BS = 16  # l'
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_indices(B: int, H: int, T: int, n: int, pattern: str, gen: torch.Generator) -> torch.Tensor:
+    """[B, H, T, n] block indices; every query keeps block 0 and its two most recent blocks, like the selection.
+
+    forced: only those (-1 padded at the end). random: plus random older blocks, in random order, with the -1
+    padding shuffled in. all: every candidate block while n allows, so each block is chosen by many queries.
+    """
+    idx = torch.full((B, H, T, n), -1, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                cur = t // BS
+                chosen = sorted({0, cur, max(cur - 1, 0)})
+                if pattern == "all":
+                    chosen = list(range(cur + 1))[-n:] if cur + 1 > n else list(range(cur + 1))
+                elif pattern == "random":
+                    rest = [j for j in torch.randperm(cur + 1, generator=gen).tolist() if j not in chosen]
+                    chosen += rest[: torch.randint(0, n - len(chosen) + 1, (1,), generator=gen).item()]
+                row = torch.tensor(chosen + [-1] * (n - len(chosen)))
+                idx[b, h, t] = row[torch.randperm(n, generator=gen)] if pattern == "random" else row
+    return idx
+
+
+def dense_lse(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp [B, T, HQ] of the selected scores, from a dense [T, T] mask."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    mask = torch.zeros(B, H, T, T, dtype=torch.bool)
+    for j in range((T + BS - 1) // BS):
+        chosen = (idx == j).any(-1)  # [B, H, T]
+        in_block = torch.zeros(T, dtype=torch.bool)
+        in_block[j * BS:(j + 1) * BS] = True
+        mask |= chosen[..., None] & in_block
+    mask &= torch.ones(T, T, dtype=torch.bool).tril()
+    scores = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(HQ // H, dim=2)) * D ** -0.5
+    scores = scores.masked_fill(~mask.repeat_interleave(HQ // H, dim=1), float("-inf"))
+    return scores.logsumexp(-1).transpose(1, 2)
+
+
+def reference_selected(q, k, v, idx):
+    """The reference's selected branch alone: gates (0, 1, 0) and no compressed block."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    gates = torch.zeros(B, T, HQ, 3, dtype=q.dtype)
+    gates[..., 1] = 1
+    empty = q.new_zeros(B, 0, H, D)
+    args = NSAArgs(cmp_block_size=BS, cmp_stride=BS, sel_block_size=BS, n_selected=idx.shape[-1], window_size=1)
+    return nsa_reference(q, k, v, k.detach(), v.detach(), empty, empty, gates, args, idx)[0]
+
+
+# item_queries: queries per dK/dV work item; small values split a block's queries over several items.
+@pytest.mark.parametrize("B,T,G,n,pattern,item_queries", [
+    (1, 10, 1, 3, "forced", 256),  # T < l'
+    (2, 37, 2, 3, "random", 7),    # T not a multiple of l', padding shuffled in
+    (1, 80, 3, 4, "random", 256),
+    (1, 64, 4, 4, "all", 5),       # many queries on every block
+])
+def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pattern: str, item_queries: int,
+                                              monkeypatch):
+    monkeypatch.setattr(triton_selected, "_ITEM_QUERIES", item_queries)
+    gen = torch.Generator().manual_seed(T * 10 + G)
+    H, D = 2, 16
+    q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    k = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
+    idx = make_indices(B, H, T, n, pattern, gen)
+    want_o, want_lse = reference_selected(q, k, v, idx), dense_lse(q, k, idx)
+
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    o, lse = selected_attention_fwd(q32, k32, v32, idx, BS, D ** -0.5)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32
+    assert rel_err(o, want_o) <= 1e-4
+    assert rel_err(lse, want_lse) <= 1e-4
+
+    # The loss uses lse too, so its cotangent path (delta - dlse) is checked with the others.
+    cot_o, cot_lse = torch.randn_like(want_o), torch.randn_like(want_lse)
+    want = torch.autograd.grad((want_o * cot_o).sum() + (want_lse * cot_lse).sum(), (q, k, v))
+    got = torch.autograd.grad((o * cot_o.float()).sum() + (lse * cot_lse.float()).sum(), (q32, k32, v32))
+    for name, g, w in zip("qkv", got, want):
+        assert rel_err(g, w) <= 1e-4, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_backend_matches_reference():
+    """Full `triton` backend (window through masked SDPA on CPU): same blocks, output and every gradient."""
+    args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=BS, n_selected=3, window_size=24,
+                   window_backend="flex", query_chunk=40)
+    B, T, H, G, D = 1, 70, 2, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    n_cmp = num_cmp_blocks(T, args.cmp_block_size, args.cmp_stride)
+    shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 4 + [(B, n_cmp, H, D)] * 2
+    inputs = [torch.randn(s, generator=gen) * (3.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
+    inputs.append(torch.rand(B, T, H * G, 3, generator=gen))
+    inputs = [x.requires_grad_() for x in inputs]
+    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
+
+    out, idx = nsa_triton(*inputs, args)
+    _, want_idx = nsa_reference(*inputs, args)  # same fp32 inputs and ops: the same selection, bit for bit
+    assert torch.equal(idx, want_idx)
+    want, _ = nsa_reference(*inputs64, args, want_idx)
+    assert rel_err(out, want) <= 1e-4
+    cot = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * cot.float()).sum(), inputs)
+    want_grads = torch.autograd.grad((want * cot).sum(), inputs64)
+    names = ["q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates"]
+    for name, g, w in zip(names, grads, want_grads):
+        assert rel_err(g, w) <= 1e-4, f"grad of {name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_rejects_bad_block_size():
+    q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        selected_attention_fwd(q, k, k, torch.zeros(1, 1, 8, 2, dtype=torch.int64), 24, 0.25)
