@@ -32,7 +32,7 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,
-               query_chunk: int) -> tuple[float, float]:
+               query_chunk: int, profile: bool = False) -> tuple[float, float]:
     """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [1, T, dim] input."""
     args = get_flavor(flavor)
     args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
@@ -51,6 +51,11 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
 
     for _ in range(2):  # warm-up (and compilation)
         step()
+    if profile:
+        with torch.profiler.profile() as prof:
+            step()
+        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -72,6 +77,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--query-chunk", type=int, default=512, help="reference backend's query chunk")
     parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
+    parser.add_argument("--profile", action="store_true", help="also print the top ops of one step")
     opts = parser.parse_args()
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -82,7 +88,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for flavor in opts.flavors:
         for T in opts.seq_lens:
-            ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk)
+            ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk,
+                                 opts.profile)
             print(f"| {flavor} | {T} | {ms:.1f} | {gib:.2f} |", flush=True)
 
 

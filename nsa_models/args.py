@@ -14,7 +14,7 @@ from typing import Literal
 
 @dataclass
 class NSAArgs:
-    """Native Sparse Attention hyper-parameters (`../shared/NSA_SPEC.md`, symbols in brackets)."""
+    """Native Sparse Attention hyper-parameters (`docs/NSA_SPEC.md`, symbols in brackets)."""
 
     cmp_block_size: int = 32
     """[l] tokens per compressed block."""

@@ -312,3 +312,5 @@ def _fsdp_resume(tmp: Path) -> None:
 
 if __name__ == "__main__":
     {"kill": _kill_during_save, "fsdp": _fsdp_resume}[sys.argv[1]](Path(sys.argv[2]))
+    sys.stdout.flush()
+    os._exit(0)  # as train.exit_now: gloo can abort a finished process at interpreter teardown

@@ -200,8 +200,6 @@ def plan(world_size=2, device_type="cpu", gpu_capability=None, **sections):
      "parallelism.dp_replicate"),
     (plan(world_size=4, parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=1)),
      "parallelism.dp_replicate"),
-    (plan(world_size=4, parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=4)),
-     "parallelism.dp_replicate"),
     (plan(float8=Float8Config(enable=True)), "float8.enable"),
     (plan(device_type="cuda", gpu_capability=(8, 0), float8=Float8Config(enable=True)), "float8.enable"),
     (plan(device_type="cuda", gpu_capability=(9, 0), compile=CompileConfig(enable=True, mode="max-autotune")),
@@ -225,6 +223,8 @@ def test_check_plan_rejects(kwargs, key):
     plan(parallelism=ParallelismConfig(data_parallel="ddp"), compile=CompileConfig(enable=True, scope="model",
                                                                                    mode="max-autotune")),
     plan(device_type="cuda", gpu_capability=(8, 9), float8=Float8Config(enable=True)),
+    # One process per node: a 2 x 1 mesh (replicated across nodes, shard groups of one), as in the 2-node test.
+    plan(world_size=2, parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=2)),
 ])
 def test_check_plan_accepts(kwargs):
     check_plan(**kwargs)

@@ -8,6 +8,7 @@ it trains every named PLAN in turn (same seed, same global batch) and rank 0 wri
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,3 +98,5 @@ def main(out: str, plans: list[str], steps: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[3:], steps=int(sys.argv[2]))
+    sys.stdout.flush()
+    os._exit(0)  # as train.exit_now: gloo can abort a finished process at interpreter teardown
