@@ -9,6 +9,9 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Compiled blocks are shared across tests (and subprocesses): a warm cache turns ~10 s compiles into ~1.5 s.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".inductor_cache"))
+# Without a GPU, Triton kernels run in its interpreter; the flag must be set before triton is first imported.
+if not any(Path("/dev").glob("nvidia[0-9]*")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

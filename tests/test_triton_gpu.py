@@ -48,6 +48,8 @@ def as_call(leaves: list, separate: bool) -> list:
 
 
 def check_backend(T: int, G: int, D: int, hyper: dict, dtype: torch.dtype, window_backend: str, separate: bool):
+    """Errors against the fp32 reference must stay within TOL, or for bf16 within twice the reference's own
+    bf16 error (the plain-torch gating and compressed branch round the same way in both backends)."""
     args = NSAArgs(**hyper, window_backend=window_backend)
     B, H = (1, 2) if T >= 1000 else (2, 2)
     leaves = make_leaves(B, T, H, G, D, args, dtype, separate)
@@ -55,12 +57,17 @@ def check_backend(T: int, G: int, D: int, hyper: dict, dtype: torch.dtype, windo
     ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
     want, _ = nsa_reference(*as_call(ref_leaves, separate), args, idx)
     cot = torch.randn_like(want)
-    grads = torch.autograd.grad((out.float() * cot).sum(), leaves)
-    want_grads = torch.autograd.grad((want * cot).sum(), ref_leaves)
-    names = NAMES if separate else NAMES[:3] + NAMES[5:]
-    errors = {"out": rel_err(out, want)} | {f"d{n}": rel_err(g, w) for n, g, w in zip(names, grads, want_grads)}
-    assert max(errors.values()) <= TOL[dtype], errors
-    assert all(torch.isfinite(g).all() for g in grads)
+    names = ["out"] + [f"d{n}" for n in (NAMES if separate else NAMES[:3] + NAMES[5:])]
+    got = [out] + list(torch.autograd.grad((out.float() * cot).sum(), leaves))
+    truth = [want] + list(torch.autograd.grad((want * cot).sum(), ref_leaves))
+    bound = {n: TOL[dtype] for n in names}
+    if dtype != torch.float32:
+        ref_lo, _ = nsa_reference(*as_call(leaves, separate), args, idx)
+        ref_lo = [ref_lo] + list(torch.autograd.grad((ref_lo.float() * cot).sum(), leaves))
+        bound = {n: max(TOL[dtype], 2 * rel_err(r, w)) for n, r, w in zip(names, ref_lo, truth)}
+    errors = {n: rel_err(g, w) for n, g, w in zip(names, got, truth)}
+    assert all(errors[n] <= bound[n] for n in names), (errors, bound)
+    assert all(torch.isfinite(g).all() for g in got)
     if dtype == torch.float32:  # the same fp32 compressed scores: the reference's selection, bit for bit
         assert torch.equal(idx, nsa_reference(*as_call(ref_leaves, separate), args)[1])
 

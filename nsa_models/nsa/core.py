@@ -8,6 +8,12 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa.reference import nsa_reference
 
 BACKENDS = {"reference": nsa_reference}
+try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it, then "triton" is not offered
+    from nsa_models.nsa.triton_backend import nsa_triton
+
+    BACKENDS["triton"] = nsa_triton
+except ImportError:
+    pass
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,

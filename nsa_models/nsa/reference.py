@@ -20,13 +20,20 @@ def num_cmp_blocks(seq_len: int, block: int, stride: int) -> int:
     return max(0, (seq_len - block) // stride + 1)
 
 
-def overlap_matrix(n_cmp: int, n_sel: int, args: NSAArgs, device: torch.device) -> Tensor:
-    """[Nc, Ns]: |cmp block i ∩ selection block j| / d, the spec's score mapping."""
-    l, d, lp = args.cmp_block_size, args.cmp_stride, args.sel_block_size
-    start_c = torch.arange(n_cmp, device=device)[:, None] * d
-    start_s = torch.arange(n_sel, device=device)[None, :] * lp
-    inter = (torch.minimum(start_c + l, start_s + lp) - torch.maximum(start_c, start_s)).clamp_min(0)
-    return inter.float() / d
+def selection_scores(p_cmp: Tensor, seq_len: int, args: NSAArgs) -> Tensor:
+    """Spec step 2: p_slc[j] = sum_i p_cmp[i] * |cmp block i ∩ selection block j| / d, summed over the group.
+
+    p_cmp [B, H, G, C, Nc] -> [B, H, C, Ns]. Blocks start at multiples of d and l' is a multiple of d, so the
+    overlap is d times the number of stride segments [m*d, (m+1)*d) the two blocks share: segment m collects
+    p_cmp[m-l/d+1 .. m] (a sliding sum), selection block j the l'/d segments it covers (a sum-pool). O(T*Nc)
+    work, where the dense [Nc, Ns] overlap matrix product costs O(T*Nc*Ns).
+    """
+    p = p_cmp.sum(2)  # the GQA group shares one selection (linear: sum first)
+    per_block, per_sel = args.cmp_block_size // args.cmp_stride, args.sel_block_size // args.cmp_stride
+    n_sel = (seq_len + args.sel_block_size - 1) // args.sel_block_size
+    segments = sum(F.pad(p, (shift, per_block - 1 - shift)) for shift in range(per_block))  # [.., Nc + l/d - 1]
+    segments = F.pad(segments, (0, n_sel * per_sel - segments.shape[-1]))  # the cmp blocks end before T
+    return segments.unflatten(-1, (n_sel, per_sel)).sum(-1)
 
 
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
@@ -38,11 +45,10 @@ def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride:
     Returns int64 [B, H, C, n]: chosen block indices in ascending order, -1 padding at the end.
     A custom op so that activation checkpointing can always save it (recomputation selects the same blocks).
     """
-    B, H, G, C, n_cmp = p_cmp.shape
+    C = p_cmp.shape[3]
     n_sel = (seq_len + sel_block - 1) // sel_block
-    args = NSAArgs(cmp_block_size=block, cmp_stride=stride, sel_block_size=sel_block)
-    mapping = overlap_matrix(n_cmp, n_sel, args, p_cmp.device)
-    score = (p_cmp @ mapping.to(p_cmp.dtype)).sum(2)  # [B, H, C, Ns], summed over the group
+    score = selection_scores(p_cmp, seq_len, NSAArgs(cmp_block_size=block, cmp_stride=stride,
+                                                     sel_block_size=sel_block))  # [B, H, C, Ns]
     t = torch.arange(q_start, q_start + C, device=p_cmp.device)[:, None]
     j = torch.arange(n_sel, device=p_cmp.device)[None, :]
     current = t // sel_block
@@ -76,6 +82,16 @@ def _masked_softmax(scores: Tensor, visible: Tensor) -> Tensor:
     return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
+def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, start: int, args: NSAArgs) -> tuple[Tensor, Tensor]:
+    """Spec step 1 for queries start .. start+C-1: o_cmp [B, H, G, C, D] and the probabilities p_cmp
+    [B, H, G, C, Nc]. q [B, H, G, C, D]; k_cmp, v_cmp [B, H, Nc, D]. Block i is visible to query t iff
+    i*d + l - 1 <= t."""
+    t = torch.arange(start, start + q.shape[3], device=q.device)
+    cmp_end = torch.arange(k_cmp.shape[2], device=q.device) * args.cmp_stride + args.cmp_block_size - 1
+    p_cmp = _masked_softmax(q @ k_cmp.transpose(-1, -2).unsqueeze(2) * q.shape[-1] ** -0.5, cmp_end <= t[:, None])
+    return p_cmp.to(v_cmp.dtype) @ v_cmp.unsqueeze(2), p_cmp
+
+
 def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
            start: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[list[Tensor], Tensor]:
     """Branch outputs (cmp, slc, win), each [B, H, G, C, D], and block indices [B, H, C, n] for queries
@@ -89,10 +105,7 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     l, d, lp, n, w = (args.cmp_block_size, args.cmp_stride, args.sel_block_size, args.n_selected,
                       args.window_size)
 
-    # 1. Compressed branch: block i is visible to query t iff i*d + l - 1 <= t.
-    cmp_end = torch.arange(k_cmp.shape[2], device=device) * d + l - 1
-    p_cmp = _masked_softmax(q @ k_cmp.transpose(-1, -2).unsqueeze(2) * scale, cmp_end <= t[:, None])
-    o_cmp = p_cmp.to(v_cmp.dtype) @ v_cmp.unsqueeze(2)
+    o_cmp, p_cmp = compressed_branch(q, k_cmp, v_cmp, start, args)
 
     # 2-3. Selection scores and top-n, shared by the GQA group.
     if block_indices is None:
@@ -101,9 +114,11 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     # 4. Selected branch: gather the tokens of the chosen blocks, causal inside the current block.
     pos = (block_indices.clamp_min(0)[..., None] * lp + torch.arange(lp, device=device)).flatten(-2)  # [B,H,C,n*l']
     visible = (block_indices[..., None] >= 0).expand(-1, -1, -1, -1, lp).flatten(-2) & (pos <= t[:, None])
-    gather_idx = pos.clamp_max(seq_len - 1).flatten(2)[..., None].expand(-1, -1, -1, D)  # [B, H, C*n*l', D]
-    k_sel = k_slc.gather(2, gather_idx).view(B, H, C, -1, D)
-    v_sel = v_slc.gather(2, gather_idx).view(B, H, C, -1, D)
+    # A row lookup (embedding) rather than `gather`: its backward sums the many queries that share a block in
+    # fp32 (bf16 atomics in gather's scatter-add lose precision and contend), deterministically on CUDA.
+    rows = torch.arange(B * H, device=device).view(B, H, 1, 1) * seq_len + pos.clamp_max(seq_len - 1)
+    k_sel = F.embedding(rows, k_slc.reshape(-1, D))  # [B, H, C, n*l', D]
+    v_sel = F.embedding(rows, v_slc.reshape(-1, D))
     q_by_pos = q.transpose(2, 3)  # [B, H, C, G, D]: the group's heads share the gathered keys
     p_slc = _masked_softmax(q_by_pos @ k_sel.transpose(-1, -2) * scale, visible.unsqueeze(3))
     o_slc = (p_slc.to(v_sel.dtype) @ v_sel).transpose(2, 3)
@@ -126,6 +141,7 @@ def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     G = HQ // H
     qh = q.view(B, T, H, G, D).permute(0, 2, 3, 1, 4)  # [B, H, G, T, D]
     kv = [x.transpose(1, 2) for x in (k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)]  # [B, H, T or Nc, D]
+    kv[:2] = [x.contiguous() for x in kv[:2]]  # the selected branch looks rows up in these: one copy, not one per chunk
     gh = gates.view(B, T, H, G, 3).permute(0, 2, 3, 1, 4)  # [B, H, G, T, 3]
     outs, indices = [], []
     for start in range(0, T, args.query_chunk):

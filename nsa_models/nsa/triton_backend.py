@@ -16,29 +16,38 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa.reference import _masked_softmax, select_blocks
+from nsa_models.nsa.reference import compressed_branch, select_blocks
 from nsa_models.nsa.triton_selected import selected_attention
+
+
+def _compressed_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, start: int, args: NSAArgs) -> tuple[Tensor, Tensor]:
+    """The reference's compressed branch, with p_cmp detached (it only feeds the selection)."""
+    o_cmp, p_cmp = compressed_branch(q, k_cmp, v_cmp, start, args)
+    return o_cmp, p_cmp.detach()
 
 
 def _compressed_and_selection(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs,
                               block_indices: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Compressed-branch output [B, T, HQ, D] and block indices [B, H, T, n], computed as the reference does."""
+    """Compressed-branch output [B, T, HQ, D] and block indices [B, H, T, n], computed as the reference does.
+
+    Each query chunk is checkpointed: its [C, Nc] probabilities are recomputed in backward instead of being kept
+    for all T queries (O(T * Nc * HQ) memory, 64k tokens would not fit).
+    """
     B, T, HQ, D = q.shape
     H = k_cmp.shape[2]
     qh = q.view(B, T, H, HQ // H, D).permute(0, 2, 3, 1, 4)  # [B, H, G, T, D], the reference's layout
-    k_cmp, v_cmp = k_cmp.transpose(1, 2).unsqueeze(2), v_cmp.transpose(1, 2).unsqueeze(2)  # [B, H, 1, Nc, D]
-    cmp_end = torch.arange(k_cmp.shape[3], device=q.device) * args.cmp_stride + args.cmp_block_size - 1
+    k_cmp, v_cmp = k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)  # [B, H, Nc, D]
     outs, indices = [], []
     for start in range(0, T, args.query_chunk):
         end = min(T, start + args.query_chunk)
-        t = torch.arange(start, end, device=q.device)
-        p_cmp = _masked_softmax(qh[:, :, :, start:end] @ k_cmp.transpose(-1, -2) * D ** -0.5,
-                                cmp_end <= t[:, None])
-        outs.append(p_cmp.to(v_cmp.dtype) @ v_cmp)
+        o_cmp, p_cmp = checkpoint(_compressed_chunk, qh[:, :, :, start:end], k_cmp, v_cmp, start, args,
+                                  use_reentrant=False)
+        outs.append(o_cmp)
         if block_indices is None:
-            indices.append(select_blocks(p_cmp.detach(), start, T, args.cmp_block_size, args.cmp_stride,
+            indices.append(select_blocks(p_cmp, start, T, args.cmp_block_size, args.cmp_stride,
                                          args.sel_block_size, args.n_selected))
     o_cmp = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     if block_indices is None:
