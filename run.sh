@@ -5,12 +5,17 @@
 # .venv and installs the project (scripts/ensure_venv.sh).
 # Environment: NGPU (processes per node; default: visible GPUs, else 1), NNODES (default 1), NODE_RANK,
 # MASTER_ADDR, MASTER_PORT (multi-node rendezvous), LOG_RANK (ranks whose output is shown; default 0),
-# PYTHON (interpreter used to create the venv; default python3).
+# PYTHON (interpreter used to create the venv; default python3), NSA_PYTHON (use this interpreter's environment
+# as it is instead of .venv).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-scripts/ensure_venv.sh
-PY=.venv/bin/python
+if [ -n "${NSA_PYTHON:-}" ]; then
+    PY=$NSA_PYTHON  # an existing environment (cluster module, container): no venv, no install
+else
+    scripts/ensure_venv.sh
+    PY=.venv/bin/python
+fi
 
 RECIPE=recipes/debug.toml
 if [ $# -gt 0 ] && [[ "$1" != --* ]]; then

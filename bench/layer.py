@@ -32,11 +32,11 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,
-               query_chunk: int, profile: bool = False) -> tuple[float, float]:
+               query_chunk: int, profile: bool = False, backend: str = "reference") -> tuple[float, float]:
     """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [1, T, dim] input."""
     args = get_flavor(flavor)
     args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
-                               nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk))
+                               nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk, backend=backend))
     torch.manual_seed(0)
     block = TransformerBlock(0, args).to(device)
     block.init_weights(args.init_std, args.n_layers)
@@ -78,18 +78,19 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=512, help="reference backend's query chunk")
     parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
     parser.add_argument("--profile", action="store_true", help="also print the top ops of one step")
+    parser.add_argument("--backend", default="reference", help="NSA backend (model.nsa.backend)")
     opts = parser.parse_args()
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"# one block, B=1, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, compile={opts.compile}")
+          f"{torch.get_num_threads()} CPU threads, compile={opts.compile}, nsa backend={opts.backend}")
     print("| flavor | T | fwd+bwd ms | peak GiB |")
     print("|---|---|---|---|")
     for flavor in opts.flavors:
         for T in opts.seq_lens:
             ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk,
-                                 opts.profile)
+                                 opts.profile, opts.backend)
             print(f"| {flavor} | {T} | {ms:.1f} | {gib:.2f} |", flush=True)
 
 

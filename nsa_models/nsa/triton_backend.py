@@ -62,14 +62,17 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=8)
-def _window_block_mask(seq_len: int, window: int, device: str):
+def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True):
+    """FlexAttention block mask of keys t-w+1 .. t (built by a compiled kernel outside torch.compile)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device, _compile=True)
+    return create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device, _compile=compile_mask)
+
+
+_cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
 def _window(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs) -> Tensor:
@@ -84,8 +87,14 @@ def _window(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs) -> Tensor:
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0))
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
-        block_mask = _window_block_mask(T, w, str(q.device))
-        out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
+        if torch.compiler.is_compiling():  # inside torch.compile: traced into the caller's graph, no caches
+            from torch.nn.attention.flex_attention import flex_attention
+
+            block_mask = _window_block_mask(T, w, str(q.device), compile_mask=False)
+            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        else:
+            block_mask = _cached_window_block_mask(T, w, str(q.device))
+            out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
     else:
         t = torch.arange(T, device=q.device)
         mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
