@@ -3,7 +3,8 @@
     python bench/layer.py --device cpu --seq-lens 2048 8192
     python bench/layer.py --device cuda --seq-lens 2048 8192 32768 --compile
 
-Prints a markdown table (one row per flavor x T) for docs/PERFORMANCE.md.
+Prints a markdown table (one row per flavor x T) for docs/PERFORMANCE.md. On CPU the peak is the process's
+maximum RSS, which never decreases: measure one flavor and T per process for exact CPU peaks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def peak_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+    # The process's peak RSS (Linux: KiB): it never goes down, so on CPU only a process's first row is its own.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,

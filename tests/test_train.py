@@ -85,7 +85,8 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--training.device", "cuda"], "error: training.device = 'cuda' but no CUDA GPU is visible"),
+    pytest.param(["--training.device", "cuda"], "error: training.device = 'cuda' but no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["--data.source", "/nonexistent/corpus.jsonl"], "error: data.source"),
     (["--model.vocab_size", "100"], "error: model.vocab_size = 100 is smaller than the tokenizer's vocabulary (257"),
     (["--training.global_batch_tokens", "768", "--training.micro_batch_size", "2", "--data.seq_len", "256"],
@@ -94,8 +95,6 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     (["--checkpoint.load_path", "/nonexistent/step-00000010"], "error: checkpoint.load_path"),
 ])
 def test_runtime_errors_are_one_line(tmp_path, args, message):
-    if "cuda" in args and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir",
                              str(tmp_path / "run"), *args], cwd=REPO, env=env(), capture_output=True, text=True,
                             timeout=300)

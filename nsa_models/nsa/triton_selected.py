@@ -24,6 +24,15 @@ _ITEM_QUERIES = 256  # queries per dK/dV work item: bounds the longest program
 _ROWS_BWD = 64  # rows (queries x heads) per tile in the dK/dV kernel
 
 
+@triton.jit
+def _load_block(K, V, kv_base, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Positions [BS] and keys/values [BS, BD] of selection block `blk` of one (batch, KV head)."""
+    pos = blk * BS + u
+    kv_ptr = kv_base + pos[:, None] * (H * D) + d[None, :]
+    kv_mask = (pos < T)[:, None] & d_ok[None, :]
+    return pos, tl.load(K + kv_ptr, mask=kv_mask, other=0.0), tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["T", "N_SEL"])  # one compile for every length
 def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                 BS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
@@ -42,11 +51,7 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl
     for i in range(N_SEL):
         blk = tl.load(IDX + idx_base + i)
         if blk >= 0:
-            pos = blk * BS + u
-            kv_ptr = kv_base + pos[:, None] * (H * D) + d[None, :]
-            kv_mask = (pos < T)[:, None] & d_ok[None, :]
-            k = tl.load(K + kv_ptr, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
+            pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
             s = tl.where((pos <= t)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -83,11 +88,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, DQ, T, N_SEL, qk_scale, scale, 
     for i in range(N_SEL):
         blk = tl.load(IDX + idx_base + i)
         if blk >= 0:
-            pos = blk * BS + u
-            kv_ptr = kv_base + pos[:, None] * (H * D) + d[None, :]
-            kv_mask = (pos < T)[:, None] & d_ok[None, :]
-            k = tl.load(K + kv_ptr, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
+            pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             p = tl.where((pos <= t)[None, :], tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
