@@ -145,10 +145,7 @@ class Trainer:
         from nsa_models.nsa import BACKENDS
         from parallelisms import parallelize
 
-        nsa = self.config.model.nsa
-        if self.config.model.attention == "nsa" and nsa.backend not in BACKENDS:
-            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} is not built in this version (built: "
-                              f"{', '.join(BACKENDS)}): set --model.nsa.backend reference")
+        self._check_nsa_backend(BACKENDS)
         # On CUDA: build on meta, shard, then materialise only this rank's shard and initialise it (DTensor's
         # RNG tracker gives each shard its own numbers). DTensor has no such tracker on CPU, where every rank
         # would draw the same numbers for its shard: there the model is initialised whole, then sharded.
@@ -169,6 +166,23 @@ class Trainer:
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "
                     f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}")
         return model
+
+    def _check_nsa_backend(self, built: dict) -> None:
+        """The chosen NSA backend must be able to run here: no silent fallback to another one."""
+        import importlib.util
+
+        nsa = self.config.model.nsa
+        if self.config.model.attention != "nsa" or nsa.backend == "reference":
+            return
+        if nsa.backend not in built:
+            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} is not available here (the triton package is "
+                              "missing): install triton or set --model.nsa.backend reference")
+        if self.device.type != "cuda":
+            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
+                              f"{self.device.type}): set --model.nsa.backend reference")
+        if nsa.window_backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.nsa.window_backend = 'flash_attn' but flash-attn is not installed: "
+                              "pip install flash-attn, or set it to 'flex' or 'sdpa'")
 
     def _autocast(self):
         import torch
