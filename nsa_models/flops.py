@@ -32,7 +32,8 @@ def mean_keys_per_query(args: ModelArgs, seq_len: int) -> dict[str, float]:
     cmp_keys = torch.clamp(torch.div(t - a.cmp_block_size + 1, a.cmp_stride, rounding_mode="floor") + 1, min=0)
     current = torch.div(t, a.sel_block_size, rounding_mode="floor")
     # The current block is forced and partly causal; every other selected block lies wholly in the past.
-    slc_keys = (torch.clamp(current + 1, max=a.n_selected) - 1) * a.sel_block_size + (t - current * a.sel_block_size + 1)
+    slc_keys = ((torch.clamp(current + 1, max=a.n_selected) - 1) * a.sel_block_size
+                + (t - current * a.sel_block_size + 1))
     win_keys = torch.clamp(t + 1, max=a.window_size)
     return {"cmp": float(cmp_keys.mean()), "slc": float(slc_keys.mean()), "win": float(win_keys.mean())}
 

@@ -27,7 +27,8 @@ def build(flavor: str = "debug", dtype=torch.float32, **overrides) -> Transforme
 
 def test_meta_build_then_init_gives_finite_weights():
     model = build()
-    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in weights)
     assert set(model.layers.keys()) == {"0", "1"}
 
 

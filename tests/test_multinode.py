@@ -34,8 +34,8 @@ def test_two_node_hsdp_matches_single_process(tmp_path):
 
     port = str(free_port())
     run_dir = tmp_path / "hsdp"  # one directory for both nodes, as on a shared filesystem
-    nodes = [subprocess.Popen(["./run.sh", *COMMON, "--job.run_dir", str(run_dir), "--parallelism.data_parallel", "hsdp",
-                               "--parallelism.dp_replicate", "2"], cwd=REPO,
+    hsdp = ["--parallelism.data_parallel", "hsdp", "--parallelism.dp_replicate", "2"]
+    nodes = [subprocess.Popen(["./run.sh", *COMMON, "--job.run_dir", str(run_dir), *hsdp], cwd=REPO,
                               env={**env(), "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": port, "NGPU": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
