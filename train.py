@@ -4,17 +4,21 @@
     python train.py recipes/debug.toml --print-config          # resolved config, nothing else
 
 The recipe is parsed before torch is imported, so a bad key fails in a fraction of a second with one line.
+Exit status: 0 done; 2 bad input; 3 a rank stalled (stacks in <run_dir>/hang); 4 too many non-finite steps in a
+row; 128 + signal number (143, 130) when SIGTERM/SIGINT stopped the run after writing a checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 from training.config import Config, ConfigError, config_to_toml, load_config
+from training.watchdog import HangWatchdog, StopOnSignal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,11 +27,17 @@ def main(argv: list[str] | None = None) -> int:
         if print_only:
             print(config_to_toml(config), end="")
             return 0
-        Trainer(config).train()
-        return 0
+        return Trainer(config).train()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+
+
+class TrainingDiverged(Exception):
+    """`training.max_skipped_steps` steps in a row had a non-finite loss or gradient norm."""
 
 
 class Trainer:
@@ -52,7 +62,11 @@ class Trainer:
         self.compute_dtype = (torch.bfloat16 if cfg.mixed_precision == "bf16" or
                               (cfg.mixed_precision == "auto" and self.device.type == "cuda") else torch.float32)
 
+        import datasets
+
         from training.data import build_data_loader
+
+        datasets.disable_progress_bars()  # "Generating train split" bars on stderr would bury a one-line error
 
         dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
         per_step = cfg.micro_batch_size * config.data.seq_len * dp_size
@@ -84,15 +98,29 @@ class Trainer:
                        "lr_scheduler": self.lr_scheduler, "data": RankLocalState(self.train_loader),
                        "rng": RankLocalState(RNGState())}
         self.step = 0
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.stop = StopOnSignal()
+        self.stop_signum = 0  # a signal received by any rank, as agreed by all ranks (see _agree)
         resume = self.checkpointer.resume_path()
         if resume is not None:
-            self.step = self.checkpointer.load(resume, self.states)
+            self.step = self._load_checkpoint(resume)
             self._print(f"resumed from {resume} at step {self.step}")
 
         from training.metrics import MetricLogger
 
         self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=cfg.steps,
                                     config_text=config_to_toml(config))
+
+    def _load_checkpoint(self, path: Path) -> int:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            return self.checkpointer.load(path, self.states)
+        except CheckpointException as e:  # DCP's planner: a missing key or a shape mismatch, as a long traceback
+            key = "checkpoint.load_path" if self.config.checkpoint.load_path else "checkpoint.resume"
+            cause = " ".join(str(next(iter(e.failures.values()))[0]).split())
+            raise ConfigError(f"{key}: {path} does not fit this model ({cause}); load a checkpoint saved with the "
+                              "same model.* settings, or start a new job.run_dir") from None
 
     def _pick_device(self, choice: str):
         import torch
@@ -204,10 +232,28 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.AVG)
         return value
 
+    def _agree(self, finite) -> bool:
+        """Whether this step's update is finite on every rank; also sets `stop_signum` to any rank's signal.
+
+        Both decisions must be the same on every rank, or the ranks drift apart or deadlock in the next collective.
+        `.item()` is one device sync per step; the all-reduce is of a CPU tensor (gloo), adding no device sync.
+        """
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(not finite.item()), self.stop.received])
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.stop_signum = int(flags[1])
+        return not flags[0]
+
     def train_step(self):
-        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds)."""
+        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds,
+        whether the update was applied)."""
         import torch
 
+        debug = self.config.debug
+        inject_nan = 0 < debug.nan_at_step <= self.step < debug.nan_at_step + debug.nan_steps
         data_time, total = 0.0, torch.zeros((), device=self.device)
         for _ in range(self.grad_accum):
             start = time.perf_counter()
@@ -215,16 +261,24 @@ class Trainer:
             data_time += time.perf_counter() - start
             with self._autocast():
                 loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum
+            if inject_nan:
+                loss = loss * float("nan")
             loss.backward()
             total += loss.detach()
         max_norm = self.config.training.max_grad_norm or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        if self.step == debug.sleep_at_step:
+            time.sleep(debug.sleep_s)
+        applied = self._agree(torch.isfinite(total + grad_norm))
+        # A non-finite loss or gradient would poison the weights and Adam's moments: drop the gradients instead.
+        # The LR schedule does not advance either: it counts applied updates, as if this batch had not come.
+        if applied:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, grad_norm, data_time
+        return total, grad_norm, data_time, applied
 
     def evaluate(self) -> float:
         import torch
@@ -240,50 +294,84 @@ class Trainer:
         self.eval_loader.load_state_dict(state)
         return self._mean_over_ranks(total / self.config.training.eval_batches).item()
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to `training.steps`; returns the exit status (0, or 128 + signal number when stopped by one)."""
         import torch
 
+        from nsa_models.flops import flops_per_token
         from parallelisms import compile_counters
-        from training.metrics import memory_gib
+        from training.metrics import memory_gib, peak_tflops
 
         cfg = self.config.training
         tokens_per_step = cfg.global_batch_tokens
         self._print(f"training {cfg.steps} steps of {tokens_per_step:,} tokens "
                     f"({self.grad_accum} micro-batches of {cfg.micro_batch_size} x {self.config.data.seq_len} "
                     f"per rank), run_dir {self.run_dir}")
+        # Model FLOPs per device per step, for perf/tflops; MFU divides by the bf16 peak (an fp32 run reads low).
+        flops_per_step = (flops_per_token(self.config.model, self.config.data.seq_len).total * tokens_per_step
+                          / self.world_size)
+        peak = peak_tflops(self.device)
+        if peak is None and self.rank == self.config.metrics.log_rank:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+            print(f"warning: no peak TFLOP/s known for device {name!r} (training/metrics.py PEAK_BF16_TFLOPS): "
+                  "perf/mfu is not logged", file=sys.stderr, flush=True)
         profiler = self._profiler()
         window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
-        while self.step < cfg.steps:
-            self.step += 1
-            loss, grad_norm, step_data_time = self.train_step()
-            window_steps += 1
-            data_time += step_data_time
-            if profiler is not None:
-                profiler.step()
-            if self.step == 2 and self.config.compile.enable:
-                counts = compile_counters()
-                self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-                self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
-            if self.metrics.should_log(self.step):
-                loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
-                elapsed = (time.perf_counter() - window_start) / window_steps
-                allocated, reserved = memory_gib(self.device)
-                self.metrics.log(self.step, {
-                    "train/loss": loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
-                    "train/grad_norm": grad_norm.item(), "perf/tokens_per_s": tokens_per_step / elapsed,
-                    "perf/step_time_s": elapsed, "perf/data_time_s": data_time / window_steps,
-                    "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
-                window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
-            if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
-                self.metrics.log(self.step, {"eval/loss": self.evaluate()})
-            self.checkpointer.save(self.step, self.states, final=self.step == cfg.steps)
+        with self.stop, HangWatchdog(self.config.debug.hang_timeout_s, self.run_dir, self.rank) as watchdog:
+            while self.step < cfg.steps and not self.stop_signum:
+                self.step += 1
+                loss, grad_norm, step_data_time, applied = self.train_step()
+                window_steps += 1
+                data_time += step_data_time
+                self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
+                self.skipped_steps += not applied
+                if profiler is not None:
+                    profiler.step()
+                if self.step == 2 and self.config.compile.enable:
+                    counts = compile_counters()
+                    self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+                    self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
+                if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
+                    loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
+                    elapsed = (time.perf_counter() - window_start) / window_steps
+                    allocated, reserved = memory_gib(self.device)
+                    tflops = flops_per_step / elapsed / 1e12
+                    self.metrics.log(self.step, {
+                        "train/loss": loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
+                        "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
+                        "perf/tokens_per_s": tokens_per_step / elapsed, "perf/step_time_s": elapsed,
+                        "perf/data_time_s": data_time / window_steps, "perf/tflops": tflops,
+                        **({"perf/mfu": tflops / peak} if peak else {}),
+                        "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
+                    window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
+                if self.skipped_in_a_row >= cfg.max_skipped_steps:
+                    raise TrainingDiverged(
+                        f"step {self.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
+                        f"row (training.max_skipped_steps = {cfg.max_skipped_steps}); latest checkpoint "
+                        f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
+                if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
+                    self.metrics.log(self.step, {"eval/loss": self.evaluate()})
+                if applied:  # never checkpoint right after a non-finite step: resume from the last good one
+                    self.checkpointer.save(self.step, self.states,
+                                           final=self.step == cfg.steps or bool(self.stop_signum))
+                watchdog.beat(self.step)
         if profiler is not None:
             profiler.stop()
-        if self.config.checkpoint.export_weights:
-            self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
         self.metrics.close()
-        self._print(f"done: {self.step} steps; run_dir {self.run_dir}")
+        if self.stop_signum:
+            self._print(f"stopped by {signal.Signals(self.stop_signum).name} at step {self.step}; checkpoint "
+                        f"{self._latest_checkpoint()}; resume with the same command")
+        else:
+            if self.config.checkpoint.export_weights:
+                self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
+            self._print(f"done: {self.step} steps; run_dir {self.run_dir}")
         torch.distributed.destroy_process_group()
+        # Stopped: not 0, the run is unfinished; schedulers and torchrun read 128 + signal as "killed by it".
+        return 128 + self.stop_signum if self.stop_signum else 0
+
+    def _latest_checkpoint(self) -> str:
+        complete = self.checkpointer.complete_checkpoints()
+        return str(complete[-1]) if complete else "none"
 
     def _profiler(self):
         import torch

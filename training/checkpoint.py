@@ -182,9 +182,24 @@ class CheckpointManager:
                 f"per-rank state (data position, RNG) has no exact counterpart; run with {meta['world_size']} "
                 "processes or start a new run_dir"
             )
+        if "model" in states:
+            self._check_model_keys(path, states["model"])
         dcp.load(dict(states), checkpoint_id=path)
         self._last_step = meta["step"]
         return meta["step"]
+
+    def _check_model_keys(self, path: Path, model_state: Stateful) -> None:
+        """DCP loads the keys the target asks for and ignores the rest: a checkpoint of a larger model would
+        load partly and silently. Both sets of parameter names must be the same."""
+        saved = {key.removeprefix("model.") for key in
+                 dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if key.startswith("model.")}
+        wanted = set(model_state.state_dict())
+        if saved != wanted:
+            key = "checkpoint.load_path" if self.cfg.load_path else "checkpoint.resume"
+            extra, missing = sorted(saved - wanted), sorted(wanted - saved)
+            raise ConfigError(f"{key}: {path} does not fit this model (only in the checkpoint: {extra[:3]}, only "
+                              f"in the model: {missing[:3]}); load a checkpoint saved with the same model.* "
+                              "settings, or start a new job.run_dir")
 
     def export_weights(self, model: nn.Module, path: str | Path) -> None:
         """Write the full (unsharded) model state dict as one `torch.save` file, atomically, on rank 0."""

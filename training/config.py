@@ -78,6 +78,8 @@ class TrainingConfig:
     """Evaluate the held-out loss every this many steps (0: never)."""
     eval_batches: int = 4
     """Micro-batches per evaluation."""
+    max_skipped_steps: int = 5
+    """A step whose loss or gradient norm is not finite is skipped (no update); stop after this many in a row."""
 
 
 @dataclass
@@ -194,6 +196,17 @@ class ProfilingConfig:
 class DebugConfig:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic cuDNN/cuBLAS settings."""
+    hang_timeout_s: float = 1800.0
+    """Exit (status 3) with every thread's stack in `<run_dir>/hang/rank<R>.txt` when no step completes for this
+    many seconds; long enough for compilation and a checkpoint save. 0 disables the watchdog."""
+    sleep_at_step: int = 0
+    """Testing only: sleep `debug.sleep_s` seconds in this step (0: never), to exercise the hang watchdog."""
+    sleep_s: float = 0.0
+    """Testing only: how long step `debug.sleep_at_step` sleeps."""
+    nan_at_step: int = 0
+    """Testing only: make this step's loss NaN (0: never), to exercise the non-finite step guard."""
+    nan_steps: int = 1
+    """Testing only: how many consecutive steps from `debug.nan_at_step` get a NaN loss."""
 
 
 @dataclass
@@ -233,6 +246,7 @@ _RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "training.seed": _NON_NEGATIVE,
     "training.eval_interval": _NON_NEGATIVE,
     "training.eval_batches": _POSITIVE,
+    "training.max_skipped_steps": _POSITIVE,
     "optimizer.lr": _POSITIVE,
     "optimizer.beta1": _BETA,
     "optimizer.beta2": _BETA,
@@ -251,6 +265,11 @@ _RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "metrics.log_rank": _NON_NEGATIVE,
     "profiling.start_step": _POSITIVE,
     "profiling.num_steps": _POSITIVE,
+    "debug.hang_timeout_s": _NON_NEGATIVE,
+    "debug.sleep_at_step": _NON_NEGATIVE,
+    "debug.sleep_s": _NON_NEGATIVE,
+    "debug.nan_at_step": _NON_NEGATIVE,
+    "debug.nan_steps": _POSITIVE,
     "model.dim": _POSITIVE,
     "model.n_layers": _POSITIVE,
     "model.n_heads": _POSITIVE,

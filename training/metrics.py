@@ -20,6 +20,19 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     return rss, rss
 
 
+# Peak dense bf16 tensor-core TFLOP/s per GPU (no 2:4 sparsity), from the vendors' data sheets. The first name
+# contained in torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """Peak dense bf16 TFLOP/s of `device`, or None when unknown (CPU, a GPU missing from the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
 class MetricLogger:
     """Prints one line per log step (on `metrics.log_rank`) and writes the same scalars to `<run_dir>/tb`."""
 
@@ -29,6 +42,7 @@ class MetricLogger:
         self.writer = None
         self.start_time: float | None = None
         self.start_step = 0
+        self.skipped = 0.0  # skipped steps seen so far (resumed runs start from 0: only increases are marked)
         if self.active and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -60,7 +74,14 @@ class MetricLogger:
         return (f"step {step:>6}/{self.total_steps}  loss {s['train/loss']:.4f}  lr {s['train/lr']:.2e}  "
                 f"gnorm {s['train/grad_norm']:.3f}  tok/s {s['perf/tokens_per_s']:,.0f}  "
                 f"step {s['perf/step_time_s'] * 1000:.0f} ms  mem {s['memory/max_allocated_gib']:.2f} GiB  "
-                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+                f"eta {int(eta // 60)}m{int(eta % 60):02d}s"
+                + (f"  mfu {s['perf/mfu']:.1%}" if "perf/mfu" in s else "")
+                + self._skip_marker(s.get("train/skipped_steps", 0)))
+
+    def _skip_marker(self, skipped_steps: float) -> str:
+        """Marks the line of a step whose update was skipped (the running count went up)."""
+        increased, self.skipped = skipped_steps > self.skipped, skipped_steps
+        return f"  SKIPPED: not finite, no update ({skipped_steps:.0f} in all)" if increased else ""
 
     def close(self) -> None:
         if self.writer is not None:

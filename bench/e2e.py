@@ -1,0 +1,72 @@
+"""End-to-end training throughput of NSA against its dense twin at several sequence lengths, on one GPU.
+
+    python bench/e2e.py                                    # nsa-125m vs dense-125m at T = 2048, 8192, 32768
+    python bench/e2e.py --seq-lens 2048 8192 --steps 30 --set training.global_batch_tokens=262144
+
+A thin wrapper over bench/compile_sweep.py: the grid is flavor x T, where each T also sets model.max_seq_len = T
+and training.micro_batch_size = --tokens-per-micro-batch / T, so every cell does the same work per step in
+tokens and only attention's cost changes with T. Data is `synthetic` unless --set data.source=... says otherwise
+(throughput does not depend on the text). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio of
+the first flavor to the second per T, on top of the sweep's own table and files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_sweep import ConfigError, add_sweep_arguments, sweep_from_args  # noqa: E402
+
+
+def seq_len_axis(seq_lens: list[int], tokens_per_micro_batch: int) -> list[dict[str, str]]:
+    """One grid axis: per T, the sequence length, the RoPE table to match and a micro-batch of constant tokens."""
+    axis = []
+    for T in seq_lens:
+        if T <= 0 or tokens_per_micro_batch % T:
+            raise ConfigError(f"--seq-lens {T}: must divide --tokens-per-micro-batch ({tokens_per_micro_batch}) "
+                              "so that every T trains on the same tokens per micro-batch")
+        axis.append({"data.seq_len": str(T), "model.max_seq_len": str(T),
+                     "training.micro_batch_size": str(tokens_per_micro_batch // T)})
+    return axis
+
+
+def ratio_table(rows: list[dict], flavors: list[str], seq_lens: list[int]) -> str:
+    """Markdown: tokens/s of each flavor per T and first / second ("" where a cell failed)."""
+    tokens_per_s = {(row["model.flavor"], int(row["data.seq_len"])): row.get("tokens_per_s", "") for row in rows}
+    lines = [f"| T | {' | '.join(f'{f} tokens/s' for f in flavors)} | {flavors[0]} / {flavors[1]} |",
+             "|---|" + "---|" * (len(flavors) + 1)]
+    for T in seq_lens:
+        values = [tokens_per_s.get((f, T), "") for f in flavors]
+        ratio = f"{values[0] / values[1]:.2f}" if "" not in values[:2] else ""
+        lines.append(f"| {T} | {' | '.join(f'{v:,.0f}' if v != '' else 'failed' for v in values)} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="recipes/nsa_125m.toml",
+                        help="base recipe (compile, precision, optimizer, global batch)")
+    parser.add_argument("--flavors", nargs=2, default=["nsa-125m", "dense-125m"], metavar=("NSA", "DENSE"),
+                        help="the two model flavors compared; the ratio is the first over the second")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--tokens-per-micro-batch", type=int, default=32768,
+                        help="micro_batch_size x seq_len of every cell (the recipes' 16 x 2048)")
+    add_sweep_arguments(parser)
+    args = parser.parse_args(argv)
+    args.set = ["data.source=synthetic", *args.set]  # later --set wins
+    try:
+        axes = [[{"model.flavor": f} for f in args.flavors], seq_len_axis(args.seq_lens, args.tokens_per_micro_batch)]
+        rows = sweep_from_args(args, args.recipe, axes)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = ratio_table(rows, args.flavors, args.seq_lens)
+    (args.out / "e2e.md").write_text(table)
+    print("\n" + table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

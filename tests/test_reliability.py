@@ -1,0 +1,236 @@
+"""Never hang silently, never lose work: hang watchdog, non-finite step guard, SIGTERM checkpoint, clear errors."""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import FAST, REPO, env, event_files, scalars
+
+COMMON = [sys.executable, "train.py", "recipes/debug.toml", "--training.steps", "12", "--checkpoint.interval", "5",
+          "--checkpoint.export_weights", "false", *FAST]
+
+
+def train(run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(COMMON + ["--job.run_dir", str(run_dir), *args], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def checkpoint_names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> dict[str, dict[int, float]]:
+    """An uninterrupted run of COMMON: its scalars, and its checkpoints under `run_dir`."""
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    result = train(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"run_dir": run_dir, "stderr": result.stderr, **scalars(event_files(run_dir)[-1])}
+
+
+def test_tflops_logged_and_no_mfu_without_a_known_peak(clean_run):
+    from nsa_models.args import get_flavor
+    from nsa_models.flops import flops_per_token
+
+    per_token = flops_per_token(get_flavor("debug"), 128).total  # FAST's seq_len
+    for step, tflops in clean_run["perf/tflops"].items():
+        assert tflops == pytest.approx(per_token * clean_run["perf/tokens_per_s"][step] / 1e12, rel=1e-5)
+    assert "perf/mfu" not in clean_run
+    warnings = [line for line in clean_run["stderr"].splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: no peak TFLOP/s known for device 'cpu' (training/metrics.py PEAK_BF16_TFLOPS): "
+                        "perf/mfu is not logged"]
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                        ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_tflops_by_device_name(monkeypatch, name, peak):
+    import torch
+
+    from training.metrics import peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0)) == peak
+    assert peak_tflops(torch.device("cpu")) is None
+
+
+def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
+    run_dir, timeout_s = tmp_path / "run", 5
+    start = time.monotonic()
+    result = train(run_dir, "--debug.sleep_at_step", "3", "--debug.sleep_s", "600", "--debug.hang_timeout_s",
+                   str(timeout_s), timeout=120)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert time.monotonic() - start < timeout_s + 30
+    stack_file = run_dir / "hang" / "rank0.txt"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: rank 0 stalled: no step completed for (\d+) s after step 2; stacks in {re.escape(str(stack_file))}",
+        errors[0]), result.stderr[-3000:]
+    assert int(re.search(r"for (\d+) s", errors[0])[1]) >= timeout_s
+    sleep_line = next(i for i, line in enumerate((REPO / "train.py").read_text().splitlines(), 1)
+                      if "time.sleep(debug.sleep_s)" in line)
+    stacks = stack_file.read_text()
+    assert f'train.py", line {sleep_line} in train_step' in stacks  # the main thread, caught in the sleep
+    assert "in _watch" in stacks  # every thread, not only the stuck one
+
+
+def test_non_finite_step_is_skipped_never_checkpointed_and_training_goes_on(tmp_path, clean_run):
+    run_dir = tmp_path / "nan"
+    result = train(run_dir, "--debug.nan_at_step", "5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if "SKIPPED" in line]
+    assert line.startswith("step      5/12  loss nan")
+    logged = scalars(event_files(run_dir)[-1])
+    assert math.isnan(logged["train/loss"][5]) and logged["train/skipped_steps"][5] == 1
+    assert logged["train/skipped_steps"][12] == 1
+    assert all(math.isfinite(logged["train/loss"][s]) for s in range(6, 13))
+    # The skipped step left no checkpoint (the interval's step-5 is missing); the later ones were written.
+    assert checkpoint_names(run_dir) == ["step-00000010", "step-00000012"]
+    assert checkpoint_names(clean_run["run_dir"]) == ["step-00000005", "step-00000010", "step-00000012"]
+    # The LR schedule did not advance on the skipped step: it runs one step behind the clean run from then on.
+    lr, clean_lr = logged["train/lr"], clean_run["train/lr"]
+    assert [lr[s] for s in range(5, 13)] == [clean_lr[s - 1] for s in range(5, 13)]
+    assert clean_lr[11] != clean_lr[12]  # the comparison above covers a changing LR (the decay)
+
+    # A later checkpoint loads and continues exactly as the run that wrote it.
+    resumed_dir = tmp_path / "resumed"
+    resumed = train(resumed_dir, "--debug.nan_at_step", "5", "--checkpoint.load_path",
+                    str(run_dir / "checkpoints" / "step-00000010"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_loss = scalars(event_files(resumed_dir)[-1])["train/loss"]
+    assert resumed_loss == {s: logged["train/loss"][s] for s in (11, 12)}
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_with_one_line(tmp_path):
+    result = train(tmp_path / "run", "--debug.nan_at_step", "3", "--debug.nan_steps", "100",
+                   "--training.max_skipped_steps", "2")
+    assert result.returncode == 4, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert errors[0].startswith("error: step 4: loss or gradient norm not finite for 2 steps in a row "
+                                "(training.max_skipped_steps = 2); latest checkpoint none")
+    assert "step      5/" not in result.stdout
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_is_bitwise_exact(tmp_path, clean_run):
+    run_dir = tmp_path / "run"
+    command = COMMON + ["--job.run_dir", str(run_dir)]
+    proc = subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("step      7/12"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    match = re.search(r"^stopped by SIGTERM at step (\d+); checkpoint (\S+); resume with the same command$", rest,
+                      re.MULTILINE)
+    assert match, rest
+    step = int(match[1])
+    assert 7 <= step < 10 and Path(match[2]) == run_dir / "checkpoints" / f"step-{step:08d}"
+    assert Path(match[2], ".metadata").is_file()
+
+    resumed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step-{step:08d} at step {step}" in resumed.stdout
+    loss = scalars(event_files(run_dir)[-1])["train/loss"]
+    assert loss == {s: clean_run["train/loss"][s] for s in range(step + 1, 13)}  # bitwise
+
+
+def test_second_sigterm_exits_at_once_without_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    command = COMMON + ["--job.run_dir", str(run_dir), "--debug.sleep_at_step", "3", "--debug.sleep_s", "60"]
+    proc = subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("step      2/12"):
+            break
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)  # the first one only raises the flag: step 3 is still sleeping
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert time.monotonic() - start < 20
+    assert "stopped by" not in proc.stdout.read()
+    assert not (run_dir / "checkpoints").exists()
+
+
+def _empty_file(tmp_path: Path) -> list[str]:
+    (tmp_path / "empty.jsonl").write_text("")
+    return ["--data.source", str(tmp_path / "empty.jsonl")]
+
+
+def _file_as_run_dir(tmp_path: Path) -> list[str]:
+    (tmp_path / "file").write_text("not a directory")
+    return ["--job.run_dir", str(tmp_path / "file")]
+
+
+def _wrong_text_field(tmp_path: Path) -> list[str]:
+    (tmp_path / "docs.jsonl").write_text('{"content": "hello world"}\n' * 50)
+    return ["--data.source", str(tmp_path / "docs.jsonl")]
+
+
+def _folder_without_data(tmp_path: Path) -> list[str]:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.md").write_text("# not training data\n")
+    return ["--data.source", str(tmp_path / "data")]
+
+
+def _directory_as_recipe(tmp_path: Path) -> list[str]:
+    (tmp_path / "recipe.toml").mkdir()
+    return [str(tmp_path / "recipe.toml")]
+
+
+# Kinds of malformed input not already covered by tests/test_config.py (41 recipe/override errors, 5 through
+# train.py) and tests/test_train.py (6 runtime errors): each is one `error:` line and exit status 2.
+BAD_RUNS = [
+    (lambda _: ["--debug.hang_timeout_s", "-1"], "error: debug.hang_timeout_s = -1.0: must be >= 0"),
+    (lambda _: ["--training.max_skipped_steps", "0"], "error: training.max_skipped_steps = 0: must be > 0"),
+    (lambda _: ["--debug.nan_steps", "0"], "error: debug.nan_steps = 0: must be > 0"),
+    (lambda _: ["--debug.sleep_s", "-5"], "error: debug.sleep_s = -5.0: must be >= 0"),
+    (lambda _: ["--data.seq_len", "4096"], "error: data.seq_len = 4096 exceeds model.max_seq_len"),
+    (_directory_as_recipe, "error: recipe '"),
+    (_file_as_run_dir, "error: job.run_dir = "),
+    (_empty_file, "error: data.source: "),
+    (_wrong_text_field, "error: data.text_field: no column 'text'"),
+    (_folder_without_data, "error: data.source: folder "),
+]
+
+
+@pytest.mark.parametrize("make_args, message", BAD_RUNS, ids=[m[7:40] for _, m in BAD_RUNS])
+def test_malformed_input_is_one_line(tmp_path, make_args, message):
+    argv = make_args(tmp_path)
+    if argv[0].endswith(".toml"):  # a recipe of its own
+        command = [sys.executable, "train.py", *argv]
+    else:
+        command = [sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir", str(tmp_path / "run"), *argv]
+    result = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("model_args, mismatch", [
+    (["--model.dim", "64"], "Size mismatch between saved torch.Size([264, 128]) and current: torch.Size([264, 64])"),
+    (["--model.n_layers", "3"], "only in the checkpoint: [], only in the model: ['layers.2."),
+    # A smaller model would load partly and silently if only missing keys were checked.
+    (["--model.n_layers", "1"], "only in the checkpoint: ['layers.1."),
+    (["--model.flavor", "dense-debug"], "only in the checkpoint: ['layers.0.attention.compress_k."),
+])
+def test_checkpoint_of_another_model_is_one_line(tmp_path, clean_run, model_args, mismatch):
+    checkpoint = clean_run["run_dir"] / "checkpoints" / "step-00000010"
+    result = train(tmp_path / "run", "--checkpoint.load_path", str(checkpoint), *model_args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint.load_path: {checkpoint} does not fit this model ({mismatch}")
+    assert lines[0].endswith("load a checkpoint saved with the same model.* settings, or start a new job.run_dir")
