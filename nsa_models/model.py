@@ -69,12 +69,13 @@ class Compression(nn.Module):
 class DenseAttention(nn.Module):
     """Causal GQA attention through SDPA: the baseline twin."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kv_sets: int = 1):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.kv_sets = kv_sets  # K/V projections fused into wk / wv (NSA: one per branch with separate_kv)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
@@ -100,12 +101,8 @@ class NSAAttention(DenseAttention):
     """
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args)
+        super().__init__(args, kv_sets=3 if args.nsa.separate_kv else 1)
         self.nsa = args.nsa
-        self.kv_sets = 3 if args.nsa.separate_kv else 1
-        kv_dim = args.n_kv_heads * args.head_dim
-        self.wk = nn.Linear(args.dim, self.kv_sets * kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.kv_sets * kv_dim, bias=False)
         self.compress_k = Compression(args.nsa, args.head_dim)
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
