@@ -67,6 +67,16 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
+@triton.jit
+def _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
+    """Backward inputs of query rows: q and dO [BR, BD], log-sum-exp (in log2 units) and delta [BR]."""
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
 @triton.jit(do_not_specialize=["T", "N_SEL"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, DQ, T, N_SEL, qk_scale, scale, H: tl.constexpr,
                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
@@ -78,10 +88,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, DQ, T, N_SEL, qk_scale, scale, 
     row_ok, d_ok = g < G, d < D
     rows = (b * T + t) * (H * G) + h * G + g
     qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     kv_base = b * T * H * D + h * D
     idx_base = (bh * T + t) * N_SEL
     dq = tl.zeros([BG, BD], tl.float32)
@@ -123,10 +130,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QP
         t = tl.load(QPOS + qs + r_q, mask=ok, other=0)
         rows = (b * T + t) * (H * G) + h * G + r_g
         qd_mask = ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-        do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-        lse = tl.load(LSE + rows, mask=ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + rows, mask=ok, other=0.0)
+        q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, ok, qd_mask, d, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BR, BS]
         visible = ok[:, None] & (pos[None, :] <= t[:, None])
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
