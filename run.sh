@@ -40,6 +40,15 @@ if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
 fi
 # Check the recipe before launching, so a typo is one line instead of a report from every rank.
 "$PY" train.py "$RECIPE" "$@" --print-config >/dev/null
-exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NGPU" \
+# torchrun forwards SIGTERM/SIGINT to the workers (they checkpoint and print how to resume), then dies with its own
+# traceback and status 1. Launched through this, it exits 128 + signal number (143, 130) instead, as one process does.
+TORCHRUN='import sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+try:
+    main()
+except SignalException as e:
+    sys.exit(128 + e.sigval)'
+exec "$PY" -c "$TORCHRUN" "${RDZV[@]}" --nproc_per_node "$NGPU" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     train.py "$RECIPE" "$@"

@@ -5,7 +5,8 @@
 
 The recipe is parsed before torch is imported, so a bad key fails in a fraction of a second with one line.
 Exit status: 0 done; 2 bad input; 3 a rank stalled (stacks in <run_dir>/hang); 4 too many non-finite steps in a
-row; 128 + signal number (143, 130) when SIGTERM/SIGINT stopped the run after writing a checkpoint.
+row; 5 a collective failed (another rank died or stalled); 6 out of memory; 128 + signal number (143, 130) when
+SIGTERM/SIGINT stopped the run after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 from training.config import Config, ConfigError, config_to_toml, load_config
-from training.watchdog import HangWatchdog, StopOnSignal
+from training.watchdog import (HangWatchdog, MemorySnapshots, ReportFailures, RunFailed, StopOnSignal,
+                               enable_flight_recorder)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 class TrainingDiverged(Exception):
@@ -59,6 +65,9 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         self.run_dir = Path(config.job.run_dir)
         self._prepare_run_dir()
+        # Recording starts before the model is built: the snapshot shows parameters, gradients and optimizer state.
+        self.memory = (MemorySnapshots(self.run_dir, self.rank, self.device, config.debug.memory_snapshot_step)
+                       if config.debug.memory_snapshot else None)
         self.compute_dtype = (torch.bfloat16 if cfg.mixed_precision == "bf16" or
                               (cfg.mixed_precision == "auto" and self.device.type == "cuda") else torch.float32)
 
@@ -148,11 +157,24 @@ class Trainer:
             torch.cuda.set_device(self.device)
             # Object collectives (checkpoint metadata) go over gloo, tensors over NCCL.
             backend = "cuda:nccl,cpu:gloo" if backend == "nccl" else backend
+            enable_flight_recorder(config.job.run_dir)
+        # The generous timeout until the first step is done (see train()); the store's rendezvous uses it too.
+        timeout = timedelta(seconds=config.debug.init_timeout_s)
         if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend, device_id=self.device if self.device.type == "cuda" else None)
+            dist.init_process_group(backend, timeout=timeout,
+                                    device_id=self.device if self.device.type == "cuda" else None)
         else:  # plain `python train.py`: a one-process group, so the same code paths run
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         self.mesh = build_mesh(config.parallelism, self.world_size, self.device.type)
+        self._set_collective_timeout(config.debug.init_timeout_s)  # the mesh's own groups got torch's default
+
+    def _set_collective_timeout(self, seconds: float) -> None:
+        """Timeout of every later collective, in the default group and the mesh's groups (FSDP's, HSDP's)."""
+        import torch.distributed as dist
+
+        groups = {dist.group.WORLD, *(self.mesh.get_all_groups() if self.mesh is not None else ())}
+        for group in groups:
+            group.set_timeout(timedelta(seconds=seconds))  # every backend of the group: NCCL and gloo
 
     def _prepare_run_dir(self) -> None:
         import torch.distributed as dist
@@ -269,8 +291,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        if self.step == debug.sleep_at_step:
-            time.sleep(debug.sleep_s)
+        if debug.fault_rank in (-1, self.rank):
+            if self.step == debug.sleep_at_step:
+                time.sleep(debug.sleep_s)
+            if self.step == debug.die_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
         applied = self._agree(torch.isfinite(total + grad_norm))
         # A non-finite loss or gradient would poison the weights and Adam's moments: drop the gradients instead.
         # The LR schedule does not advance either: it counts applied updates, as if this batch had not come.
@@ -300,7 +325,7 @@ class Trainer:
 
         from nsa_models.flops import flops_per_token
         from parallelisms import compile_counters
-        from training.metrics import memory_gib, peak_tflops
+        from training.metrics import memory_gib, nsa_metrics, peak_tflops
 
         cfg = self.config.training
         tokens_per_step = cfg.global_batch_tokens
@@ -317,7 +342,10 @@ class Trainer:
                   "perf/mfu is not logged", file=sys.stderr, flush=True)
         profiler = self._profiler()
         window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
-        with self.stop, HangWatchdog(self.config.debug.hang_timeout_s, self.run_dir, self.rank) as watchdog:
+        debug, first_step = self.config.debug, self.step + 1
+        with (self.stop, HangWatchdog(debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
+              ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s,
+                             self.memory) as failures):
             while self.step < cfg.steps and not self.stop_signum:
                 self.step += 1
                 loss, grad_norm, step_data_time, applied = self.train_step()
@@ -349,12 +377,22 @@ class Trainer:
                         f"step {self.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
                         f"row (training.max_skipped_steps = {cfg.max_skipped_steps}); latest checkpoint "
                         f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
+                if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step):
+                    # Computed in every forward inside the compiled graph; reading it is this step's one extra sync.
+                    scalars, histograms = nsa_metrics(self.model.nsa_stats.tolist())
+                    self.metrics.log(self.step, scalars)
+                    self.metrics.log_histograms(self.step, histograms)
                 if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
                     self.metrics.log(self.step, {"eval/loss": self.evaluate()})
                 if applied:  # never checkpoint right after a non-finite step: resume from the last good one
                     self.checkpointer.save(self.step, self.states,
                                            final=self.step == cfg.steps or bool(self.stop_signum))
                 watchdog.beat(self.step)
+                failures.beat(self.step)
+                if self.memory is not None:
+                    self.memory.after_step(self.step)
+                if self.step == first_step:  # compilation and the first checkpoint load are over: fail fast now
+                    self._set_collective_timeout(debug.collective_timeout_s)
         if profiler is not None:
             profiler.stop()
         self.metrics.close()

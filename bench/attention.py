@@ -1,20 +1,23 @@
 """Attention-core timings at the kernel benchmark shape of NSA_SPEC.md: B=1, HQ=64, H=4, D=128, bf16, CUDA.
 
-    python bench/attention.py                       # T = 8k, 16k, 32k, 64k
-    python bench/attention.py --seq-lens 8192 16384
+    python bench/attention.py                       # T = 8k, 16k, 32k, 64k, then G = 1, 4, 16 at 32k
+    python bench/attention.py --seq-lens 8192 --groups
 
-Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward:
-- `selected (triton)`: our selected-block attention alone, n=16 blocks of l'=64 per query (block 0, the two most
-  recent and random others);
-- `NSA triton backend`: the whole core at 32/16/64/16/512 (compressed branch and top-n as the reference computes
-  them, selected attention, FlexAttention window, gating); compressed keys/values are inputs (phi excluded);
-- dense causal baselines: SDPA flash and cuDNN (K/V expanded to HQ heads), compiled FlexAttention (GQA).
+Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
+- per branch of the `triton` backend: compressed attention, selection (scores + top-n, forward only: not
+  differentiated), selected attention (n=16 random valid blocks), sliding window (FlexAttention);
+- `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs;
+- dense causal baselines: SDPA flash and cuDNN (K/V expanded to HQ heads), compiled FlexAttention (GQA);
+- fla's `parallel_nsa` (package fla-core, when installed; G >= 16 only): compression + selection at
+  l = l' = d = 64 with mean pooling, alone and plus the FlexAttention window (the spec's comparison).
+Ratios after each length; with --groups, the whole core at G = 1, 4, 16 (HQ = 64) and its model-FLOP rate.
 `oom` marks a row that ran out of memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,10 +29,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nsa_models.args import NSAArgs  # noqa: E402
+from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
+from nsa_models.flops import mean_keys_per_query  # noqa: E402
 from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
-from nsa_models.nsa.triton_backend import nsa_triton  # noqa: E402
+from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
+
+NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
 
 
 def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str) -> Tensor:
@@ -44,13 +51,15 @@ def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: tor
     return F.pad(idx, (0, n - idx.shape[-1]), value=-1)
 
 
-def time_ms(fn, grad_inputs: list[Tensor]) -> tuple[str, str]:
+def time_ms(fn, grad_inputs: list[Tensor], backward: bool = True) -> tuple[float | str, float | str]:
     """Median forward and forward+backward milliseconds of fn() (a tensor function of grad_inputs)."""
     try:
         fwd = triton.testing.do_bench(fn)
+        if not backward:
+            return fwd, "-"
         cotangent = torch.randn_like(fn())
         fwd_bwd = triton.testing.do_bench(lambda: fn().backward(cotangent), grad_to_none=grad_inputs)
-        return f"{fwd:.2f}", f"{fwd_bwd:.2f}"
+        return fwd, fwd_bwd
     except torch.OutOfMemoryError:
         return "oom", "oom"
     finally:
@@ -59,25 +68,35 @@ def time_ms(fn, grad_inputs: list[Tensor]) -> tuple[str, str]:
         torch.cuda.empty_cache()
 
 
-def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, str, str]]:
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    nsa = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
-    rows = []
+def nsa_inputs(B: int, T: int, HQ: int, H: int, D: int) -> list[Tensor]:
+    """q, k, v, compressed k, v, gates (bf16, requiring grad) for the whole core; K/V shared by the branches."""
+    n_cmp = num_cmp_blocks(T, NSA.cmp_block_size, NSA.cmp_stride)
+    shapes = [(B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, n_cmp, H, D), (B, n_cmp, H, D), (B, T, HQ, 3)]
+    return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
 
-    def randn(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
-    q, k, v = randn(B, T, HQ, D), randn(B, T, H, D), randn(B, T, H, D)
-    idx = random_block_indices(B, H, T, nsa.n_selected, nsa.sel_block_size, device)
+def run_nsa(q, k, v, k_cmp, v_cmp, gates) -> Tensor:
+    return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates.sigmoid(), NSA)[0]
+
+
+def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, float | str, float | str]]:
+    device = torch.device("cuda")
+    inputs = nsa_inputs(B, T, HQ, H, D)
+    q, k, v, k_cmp, v_cmp, gates = inputs
+    scale = D ** -0.5
+    cmp = (NSA.cmp_block_size, NSA.cmp_stride)
+    rows = [("compressed (triton)", *time_ms(lambda: compressed_attention_fwd(q, k_cmp, v_cmp, *cmp, scale)[0],
+                                             [q, k_cmp, v_cmp]))]
+    with torch.no_grad():
+        lse = compressed_attention_fwd(q, k_cmp, v_cmp, *cmp, scale)[1]
+    rows.append(("selection: scores + top-n (triton)", *time_ms(
+        lambda: select_topn(q, k_cmp, lse, *cmp, NSA.sel_block_size, NSA.n_selected, scale)[0], [], False)))
+    idx = random_block_indices(B, H, T, NSA.n_selected, NSA.sel_block_size, device)
     rows.append(("selected (triton)",
-                 *time_ms(lambda: selected_attention(q, k, v, idx, nsa.sel_block_size), [q, k, v])))
-
-    n_cmp = num_cmp_blocks(T, nsa.cmp_block_size, nsa.cmp_stride)
-    k_cmp, v_cmp = randn(B, n_cmp, H, D), randn(B, n_cmp, H, D)
-    gates = torch.rand(B, T, HQ, 3, device=device, dtype=dtype, requires_grad=True)
-    rows.append(("NSA triton backend", *time_ms(lambda: nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates, nsa)[0],
-                                                [q, k, v, k_cmp, v_cmp, gates])))
-    del k_cmp, v_cmp, gates, idx
+                 *time_ms(lambda: selected_attention(q, k, v, idx, NSA.sel_block_size), [q, k, v])))
+    del idx, lse
+    rows.append(("window 512 (flex)", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
+    rows.append(("NSA triton backend", *time_ms(lambda: run_nsa(*inputs), inputs)))
 
     qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
     ke, ve = (x.detach().repeat_interleave(HQ // H, dim=1).requires_grad_() for x in (kh, vh))
@@ -93,25 +112,70 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, str
     flex = torch.compile(flex_attention, dynamic=False)
     rows.append(("FlexAttention (dense)",
                  *time_ms(lambda: flex(qh, kh, vh, block_mask=causal, enable_gqa=True), [qh, kh, vh])))
+    if importlib.util.find_spec("fla") is not None and HQ // H >= 16:
+        from fla.ops.nsa import parallel_nsa
+
+        g_cmp, g_slc = (x.detach().sigmoid().requires_grad_() for x in (gates[..., 0], gates[..., 1]))
+
+        def fla_nsa():
+            return parallel_nsa(q, k, v, g_cmp, g_slc, None, block_counts=NSA.n_selected, block_size=64)
+        rows.append(("fla parallel_nsa (cmp+slc, 64/64/64)", *time_ms(fla_nsa, [q, k, v, g_cmp, g_slc])))
+        rows.append(("fla parallel_nsa + flex window", *time_ms(lambda: fla_nsa() + window_attention(q, k, v, NSA),
+                                                               [q, k, v, g_cmp, g_slc])))
     return rows
+
+
+def ratio(a: float | str, b: float | str) -> str:
+    return f"{a / b:.3f}" if isinstance(a, float) and isinstance(b, float) else "n/a"
+
+
+def nsa_tflops(T: int, HQ: int, H: int, D: int, ms: float | str) -> str:
+    """Model FLOP rate of the core's fwd+bwd (3 x the forward's q.k and p.v products, real key counts)."""
+    if not isinstance(ms, float):
+        return "n/a"
+    keys = sum(mean_keys_per_query(ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA), T).values())
+    return f"{3 * 4 * D * HQ * keys * T / ms / 1e9:.0f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench/attention.py needs a CUDA GPU")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"B={args.batch} HQ={args.heads} H={args.kv_heads} D={args.head_dim} bf16, ms fwd / fwd+bwd")
-    print("| T | kernel | fwd | fwd+bwd |\n|---|---|---|---|", flush=True)
+    # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
+    torch._dynamo.config.recompile_limit = 64
+    HQ, H, D = args.heads, args.kv_heads, args.head_dim
+    fla = importlib.util.find_spec("fla")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
+          f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "
+          f"D={D} bf16, ms", flush=True)
     for T in args.seq_lens:
-        for name, fwd, fwd_bwd in bench_length(T, args.batch, args.heads, args.kv_heads, args.head_dim):
-            print(f"| {T} | {name} | {fwd} | {fwd_bwd} |", flush=True)
+        rows = bench_length(T, args.batch, HQ, H, D)
+        print(f"\n| T={T} | fwd | fwd+bwd |\n|---|---|---|")
+        for name, fwd, fwd_bwd in rows:
+            print(f"| {name} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
+                  f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} |")
+        by_name = {name: fwd_bwd for name, _, fwd_bwd in rows}
+        nsa = by_name["NSA triton backend"]
+        print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name['SDPA cuDNN (dense)'])}; "
+              f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
+              f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
+    if args.groups:
+        T = 32768
+        print(f"\n| G (HQ={HQ}, T={T}) | NSA fwd | NSA fwd+bwd | model TFLOP/s |\n|---|---|---|---|")
+        for G in (1, 4, 16):
+            inputs = nsa_inputs(args.batch, T, HQ, HQ // G, D)
+            fwd, fwd_bwd = time_ms(lambda: run_nsa(*inputs), inputs)
+            del inputs
+            print(f"| {G} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
+                  f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} | "
+                  f"{nsa_tflops(T, HQ, HQ // G, D, fwd_bwd)} |", flush=True)
 
 
 if __name__ == "__main__":

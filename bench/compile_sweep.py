@@ -183,6 +183,17 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save_table(out: Path, stem: str, header: str, rows: list[dict], columns: list[str]) -> str:
+    """Write OUT/<stem>.md (header + markdown table) and OUT/<stem>.csv (the columns only); returns the table."""
+    table = markdown_table(rows, columns)
+    (out / f"{stem}.md").write_text(header + table)
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return table
+
+
 def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, steps: int, warmup: int, out: Path,
           launcher: str = "", cell_timeout: float | None = None, keep_inductor_cache: bool = False) -> list[dict]:
     """Run every cell of the cartesian product of `axes` (each axis a list of override sets) and return one row
@@ -230,16 +241,10 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
         write_hparams(run_dir / "tb", cell, row, domains)
         rows.append(row)
 
-    columns = ["cell", *domains, *COLUMNS]
-    table = markdown_table(rows, columns)
     header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
               f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
               "compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
-    (out / "sweep.md").write_text(header + table)
-    with open(out / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, columns, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    table = save_table(out, "sweep", header, rows, ["cell", *domains, *COLUMNS])
     print("\n" + table + f"\nsaved {out / 'sweep.md'} and {out / 'sweep.csv'}; tensorboard --logdir {out}",
           flush=True)
     return rows

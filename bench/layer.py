@@ -48,7 +48,7 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            out = fn(x, rope)
+            out, _ = fn(x, rope)
         out.float().square().mean().backward()
 
     for _ in range(2):  # warm-up (and compilation)

@@ -78,19 +78,56 @@ class DenseAttention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor)."""
         B, T, _ = x.shape
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), x.new_zeros(0, dtype=torch.float32)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
+
+
+# Telemetry row of one NSA layer: these means, then the counts of the selected-block distance histogram.
+NSA_STATS = ("gate_cmp", "gate_slc", "gate_win", "forced_share", "slc_distance_blocks", "slc_distance_sq",
+             "slc_distance_max", "cmp_entropy")
+
+
+def distance_bin_starts(n_bins: int) -> list[int]:
+    """Smallest distance of each histogram bin: bin 0 holds distance 0, bin k >= 1 distances [2^(k-1), 2^k)."""
+    return [0] + [1 << k for k in range(n_bins - 1)]
+
+
+def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: NSAArgs) -> Tensor:
+    """Health telemetry of one NSA layer as a detached fp32 row laid out as NSA_STATS then the histogram counts.
+
+    gates [B, T, HQ, 3]; block_indices [B, H, T, n] (-1 = padding); cmp_entropy [B, T, HQ]. Over the selected
+    blocks: the share that is forced (block 0, the query's block and the one before) and the distance's mean,
+    mean square, max and histogram, in selection blocks (the query's own block is at distance 0). The entropy is
+    the mean over the query heads that see at least one compressed block (t >= l - 1). Static shapes and no
+    host sync: it runs inside the compiled step every time, and the trainer reads it now and then.
+    """
+    B, T, HQ, _ = gates.shape
+    n_sel = -(-T // args.sel_block_size)
+    distance = torch.arange(T, device=gates.device)[:, None] // args.sel_block_size - block_indices
+    selected = block_indices >= 0
+    n_selected = selected.sum()  # > 0: every query selects its own block
+    forced = selected & ((block_indices == 0) | (distance <= 1))
+    distance = torch.where(selected, distance, 0).float()
+    starts = torch.tensor(distance_bin_starts(1 + (n_sel - 1).bit_length()), device=gates.device)
+    at_least = (selected[..., None] & (distance[..., None] >= starts)).flatten(0, -2).sum(0)  # [n_bins]
+    counts = at_least - F.pad(at_least[1:], (0, 1))
+    n_seeing = B * max(0, T - args.cmp_block_size + 1) * HQ
+    means = torch.stack([forced.sum() / n_selected, distance.sum() / n_selected,
+                         distance.square().sum() / n_selected, distance.amax(),
+                         cmp_entropy[:, args.cmp_block_size - 1:].sum() / max(1, n_seeing)])
+    return torch.cat([gates.detach().float().mean((0, 1, 2)), means, counts.float()])
 
 
 class NSAAttention(DenseAttention):
@@ -107,12 +144,8 @@ class NSAAttention(DenseAttention):
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
-        out, _ = self.attend(x, rope)
-        return out
-
-    def attend(self, x: Tensor, rope: Tensor, block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and the selected block indices [B, H, T, n]."""
+    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`)."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
@@ -121,9 +154,9 @@ class NSAAttention(DenseAttention):
         cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
         k_cmp, v_cmp = self.compress_k(k[cmp]), self.compress_v(v[cmp])
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
-        out, block_indices = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, self.nsa,
-                                           block_indices)
-        return self.wo(out.reshape(B, T, -1)), block_indices
+        out, block_indices, cmp_entropy = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
+                                                        self.nsa)
+        return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa)
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)
@@ -162,9 +195,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and the attention's telemetry, returned rather than stored: a side effect inside an
+        activation-checkpointed compiled block fails in Dynamo."""
+        out, stats = self.attention(self.attention_norm(x), rope)
+        h = x + out
+        return h + self.feed_forward(self.ffn_norm(h)), stats
 
     def init_weights(self, std: float, n_layers: int) -> None:
         # Residual-output projections shrink with depth (as TorchTitan) so early training stays stable.
@@ -188,6 +224,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, rebuilt by init_weights() on the real device.
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta), persistent=False)
+        self.nsa_stats: Tensor | None = None  # [n_layers, row] of the latest forward (`nsa_stats`); [n_layers, 0] dense
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter and buffer (call after moving off the meta device / sharding)."""
@@ -203,8 +240,11 @@ class Transformer(nn.Module):
             nn.init.normal_(self.output.weight, std=self.args.dim ** -0.5)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, vocab] for tokens [B, T]."""
+        """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`."""
         h = self.tok_embeddings(tokens)
+        layer_stats = []
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h, stats = block(h, self.rope)
+            layer_stats.append(stats)
+        self.nsa_stats = torch.stack(layer_stats)
         return self.output(self.norm(h))

@@ -1,7 +1,7 @@
 """Activation checkpointing of transformer blocks (non-reentrant, selective-checkpoint policies).
 
 Every mode is a policy of `torch.utils.checkpoint.create_selective_checkpoint_contexts`, because NSA's block
-selection (`nsa.select_blocks`) must always be saved: recomputing it could pick other blocks (bf16 ties,
+selection (`nsa.select_blocks`, `nsa.select_topn`) must always be saved: recomputing it could pick other blocks (bf16 ties,
 non-deterministic kernels) and the backward would then differentiate an attention that forward never ran.
 """
 
@@ -14,11 +14,17 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import nsa_models.nsa.reference  # noqa: F401  (registers torch.ops.nsa.select_blocks)
+import nsa_models.nsa  # noqa: F401  (registers the torch.ops.nsa custom ops of every available backend)
 from training.config import ActivationCheckpointConfig
 
-# Saved in every mode: the selected block indices (int64, cheap to keep).
-_ALWAYS_SAVE = {torch.ops.nsa.select_blocks.default}
+
+def _nsa_ops(*names: str) -> set:
+    """The NSA custom ops among `names` that exist here (the Triton ones need triton)."""
+    return {getattr(torch.ops.nsa, name).default for name in names if hasattr(torch.ops.nsa, name)}
+
+
+# Saved in every mode: the selected block indices (int64, cheap to keep), from either backend.
+_ALWAYS_SAVE = _nsa_ops("select_blocks", "select_topn")
 
 # `selective_op` also keeps the expensive outputs: matmuls (linears, the reference backend's einsums, float8's
 # scaled mm and the `max` behind its tensorwise scales) and fused attention; everything else (norms, activations,
@@ -35,7 +41,7 @@ _SELECTIVE_SAVE = _ALWAYS_SAVE | {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch._higher_order_ops.flex_attention,
-}
+} | _nsa_ops("compressed_attention_fwd", "selected_attention_fwd")
 
 
 def _policy(save: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -73,10 +73,10 @@ def test_compiled_block_fullgraph_no_graph_breaks():
     block = model.layers["0"]
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
     x = torch.randn(2, 40, model.args.dim, requires_grad=True)
-    out = compiled(x, model.rope)
+    out, _ = compiled(x, model.rope)
     out.square().mean().backward()
     eager_x = x.detach().clone().requires_grad_()
-    eager = block(eager_x, model.rope)
+    eager, _ = block(eager_x, model.rope)
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
     assert sum(counters["graph_break"].values()) == 0
     compiled(torch.randn(2, 40, model.args.dim, requires_grad=True), model.rope)  # same shapes: no recompile

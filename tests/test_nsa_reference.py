@@ -32,7 +32,7 @@ def random_inputs(B: int, T: int, H: int, G: int, D: int, args: NSAArgs, dtype=t
 def check_against_oracle(T: int, G: int, hyper: dict, H: int = 2, D: int = 8, B: int = 2, query_chunk: int = 96):
     args = NSAArgs(**hyper, query_chunk=query_chunk)
     inputs = random_inputs(B, T, H, G, D, args)
-    out, idx = nsa_attention(*inputs, args)
+    out, idx, _ = nsa_attention(*inputs, args)
     want, want_idx = oracle_nsa(*inputs, args)
     assert torch.equal(idx, want_idx), "selected blocks differ from the oracle's"
     assert rel_err(out, want) <= 1e-6
@@ -69,8 +69,8 @@ def test_window_edge_and_chunk_boundaries():
 def test_chunking_does_not_change_results():
     args = NSAArgs(**PAPER)
     inputs = random_inputs(1, 257, 2, 2, 8, args)
-    out_a, idx_a = nsa_attention(*inputs, NSAArgs(**PAPER, query_chunk=512))
-    out_b, idx_b = nsa_attention(*inputs, NSAArgs(**PAPER, query_chunk=40))
+    out_a, idx_a, _ = nsa_attention(*inputs, NSAArgs(**PAPER, query_chunk=512))
+    out_b, idx_b, _ = nsa_attention(*inputs, NSAArgs(**PAPER, query_chunk=40))
     assert torch.equal(idx_a, idx_b)
     assert rel_err(out_b, out_a) <= 1e-12
 
@@ -78,7 +78,7 @@ def test_chunking_does_not_change_results():
 def test_indices_are_ascending_padded_and_include_forced_blocks():
     args = NSAArgs(**PAPER)
     T = 700
-    *_, idx = nsa_attention(*random_inputs(1, T, 2, 2, 8, args), args)
+    _, idx, _ = nsa_attention(*random_inputs(1, T, 2, 2, 8, args), args)
     t = torch.arange(T)
     current = t // 64
     for row in range(T):
@@ -96,12 +96,12 @@ def test_indices_are_ascending_padded_and_include_forced_blocks():
 def test_given_block_indices_are_used():
     args = NSAArgs(**PAPER)
     inputs = random_inputs(1, 200, 2, 2, 8, args)
-    out, idx = nsa_attention(*inputs, args)
-    again, idx2 = nsa_attention(*inputs, args, block_indices=idx)
+    out, idx, _ = nsa_attention(*inputs, args)
+    again, idx2, _ = nsa_attention(*inputs, args, block_indices=idx)
     assert torch.equal(idx, idx2) and torch.equal(out, again)
     only_forced = idx.clone()
     only_forced[..., 3:] = -1
-    changed, _ = nsa_attention(*inputs, args, block_indices=only_forced)
+    changed, *_ = nsa_attention(*inputs, args, block_indices=only_forced)
     assert not torch.allclose(changed, out)
 
 
@@ -109,9 +109,9 @@ def test_given_block_indices_are_used():
 def test_low_precision_close_to_float64(dtype):
     args = NSAArgs(**PAPER)
     inputs = random_inputs(1, 300, 2, 3, 16, args)
-    want, idx = nsa_attention(*inputs, args)
+    want, idx, _ = nsa_attention(*inputs, args)
     low = [x.detach().to(dtype) for x in inputs]
-    out, _ = nsa_attention(*low, args, block_indices=idx)  # same blocks: compare the arithmetic only
+    out, *_ = nsa_attention(*low, args, block_indices=idx)  # same blocks: compare the arithmetic only
     assert out.dtype == dtype
     assert rel_err(out.double(), want) <= (1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -119,7 +119,7 @@ def test_low_precision_close_to_float64(dtype):
 def test_no_nan_when_no_query_sees_a_compressed_block():
     args = NSAArgs(**PAPER)
     inputs = random_inputs(1, 20, 2, 2, 8, args)  # T < l: Nc = 0
-    out, _ = nsa_attention(*inputs, args)
+    out, *_ = nsa_attention(*inputs, args)
     out.sum().backward()
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(x.grad).all() for x in inputs)

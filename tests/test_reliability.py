@@ -1,8 +1,10 @@
-"""Never hang silently, never lose work: hang watchdog, non-finite step guard, SIGTERM checkpoint, clear errors."""
+"""Never hang silently, never lose work: hang watchdog, non-finite step guard, SIGTERM checkpoint, clear errors,
+a dead or stalled rank, out-of-memory, the NCCL flight recorder's settings."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import signal
 import subprocess
@@ -164,6 +166,164 @@ def test_second_sigterm_exits_at_once_without_checkpoint(tmp_path):
     assert not (run_dir / "checkpoints").exists()
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+# COMMON's run on 2 gloo ranks: FAST's micro-batch on each, 4 steps (before the first checkpoint and evaluation).
+TWO_RANKS = COMMON[1:] + ["--training.global_batch_tokens", "1024", "--training.steps", "4"]
+
+
+def run_two_ranks(run_dir: Path, *args: str, timeout: float = 120) -> tuple[int, str, float]:
+    """torchrun's exit status, its output, and the seconds from rank 0's step-1 line to torchrun's exit."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(TORCHRUN + TWO_RANKS + ["--job.run_dir", str(run_dir), *args], cwd=REPO, env=env(),
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while "step      1/" not in log.read_text() and proc.poll() is None:
+                time.sleep(0.05)
+            start = time.monotonic()
+            status = proc.wait(timeout=timeout)
+        finally:
+            proc.kill()
+    return status, log.read_text(), time.monotonic() - start
+
+
+def processes_naming(path: Path) -> list[int]:
+    """Pids of the live processes whose command line contains `path`."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path).encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # it exited meanwhile
+            pass
+    return pids
+
+
+def test_a_dead_rank_ends_the_others_with_one_line_and_nothing_left_running(tmp_path):
+    run_dir, timeout_s = tmp_path / "run", 5
+    status, output, seconds = run_two_ranks(run_dir, "--debug.fault_rank", "1", "--debug.die_at_step", "3",
+                                            "--debug.collective_timeout_s", str(timeout_s))
+    assert status != 0 and seconds < timeout_s + 30, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: rank 0: step 3: a collective failed \(.+\): another rank died, or stalled longer than "
+        r"debug.collective_timeout_s = 5 s; its own output says why; rerun to resume from the latest checkpoint",
+        errors[0]), output[-3000:]
+    assert re.search(r"rank +: 0 .*\n +exitcode +: 5 ", output), output[-3000:]  # torchrun's report
+    assert re.search(r"rank +: 1 .*\n +exitcode +: -9 ", output), output[-3000:]
+    assert 'train.py", line' not in output  # no traceback of ours
+    assert processes_naming(run_dir) == []
+
+
+@pytest.mark.parametrize("stall_step, fails", [(1, False), (3, True)])
+def test_collectives_wait_init_timeout_in_step_1_then_collective_timeout(tmp_path, stall_step, fails):
+    """Rank 1 stalls 8 s in one step: step 1 (compilation, first collectives) waits up to debug.init_timeout_s;
+    any later step fails after debug.collective_timeout_s."""
+    run_dir = tmp_path / "run"
+    status, output, _ = run_two_ranks(run_dir, "--debug.fault_rank", "1", "--debug.sleep_at_step", str(stall_step),
+                                      "--debug.sleep_s", "8", "--debug.init_timeout_s", "60",
+                                      "--debug.collective_timeout_s", "4")
+    assert (status != 0) == fails, output[-3000:]
+    rank0_errors = [line for line in output.splitlines() if line.startswith("error: rank 0:")]
+    if fails:
+        assert len(rank0_errors) == 1 and re.fullmatch(
+            r"error: rank 0: step 3: a collective failed \(.*Timed out waiting 4000ms.*\): another rank died, or "
+            r"stalled longer than debug.collective_timeout_s = 4 s; .*", rank0_errors[0]), output[-3000:]
+    else:
+        assert rank0_errors == [] and "done: 4 steps" in output, output[-3000:]
+    assert processes_naming(run_dir) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_sh_signal_stops_every_rank_with_a_checkpoint_and_exits_128_plus_signal(tmp_path, signum):
+    """torchrun alone would die with a traceback and status 1 (see run.sh)."""
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
+    command = ["./run.sh", *TWO_RANKS[1:], "--training.steps", "30", "--job.run_dir", str(run_dir)]
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(command, cwd=REPO, env={**env(), "NGPU": "2", "NSA_PYTHON": sys.executable},
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            if line.startswith("[rank0]:step      4/30"):
+                proc.send_signal(signum)
+                break
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=120) == 128 + signum, stderr.read_text()[-3000:]
+    match = re.search(rf"^\[rank0\]:stopped by {signum.name} at step (\d+); checkpoint (\S+); resume with the same "
+                      "command$", rest, re.MULTILINE)
+    assert match, rest
+    assert Path(match[2]) == run_dir / "checkpoints" / f"step-{int(match[1]):08d}"
+    assert Path(match[2], ".metadata").is_file()
+    assert "Traceback" not in stderr.read_text()
+    assert processes_naming(run_dir) == []
+
+
+def test_out_of_memory_dumps_the_allocator_history_and_is_one_line(tmp_path, monkeypatch):
+    """The CUDA allocator calls are replaced by recorders (no GPU here): what is tested is when and where the
+    snapshots go, and the line and status of an out-of-memory error."""
+    import torch
+
+    from training.watchdog import MemorySnapshots, ReportFailures, RunFailed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", calls.append)
+    memory = MemorySnapshots(tmp_path, rank=1, device=torch.device("cuda", 1), dump_after_step=2)
+    assert calls == [{"max_entries": MemorySnapshots.MAX_ENTRIES}] and MemorySnapshots.MAX_ENTRIES > 0
+    failures = ReportFailures(rank=1, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=memory)
+    with pytest.raises(RunFailed) as raised, failures:
+        for step in (1, 2, 3):
+            memory.after_step(step)
+            failures.beat(step)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore details")
+    oom = tmp_path / "memory" / "rank1_oom.pickle"
+    assert calls[1:] == [str(tmp_path / "memory" / "rank1_step2.pickle"), str(oom)]
+    assert oom.parent.is_dir()
+    assert raised.value.exit_code == 6
+    assert str(raised.value) == (
+        f"rank 1: step 4: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.); allocator snapshot {oom} "
+        "(open it at https://pytorch.org/memory_viz); lower training.micro_batch_size or set "
+        "activation_checkpoint.mode = 'full'")
+
+    with pytest.raises(RunFailed, match=r"^rank 0: step 1: out of memory \(CUDA out of memory\.\); rerun with "
+                                        r"--debug.memory_snapshot true for an allocator snapshot; lower "):
+        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+
+
+def test_only_collective_failures_and_out_of_memory_become_one_line():
+    import torch.distributed as dist
+
+    from training.watchdog import ReportFailures, RunFailed
+
+    with pytest.raises(RunFailed, match=r"^rank 2: step 8: a collective failed \(Watchdog caught collective "
+                                        r"operation timeout\): .* debug.init_timeout_s = 60 s;") as raised:
+        with ReportFailures(rank=2, start_step=7, init_timeout_s=60, collective_timeout_s=5, memory=None):
+            raise dist.DistBackendError("Watchdog caught collective operation timeout")  # before any step is done
+    assert raised.value.exit_code == 5
+    with pytest.raises(ValueError, match="a bug"):  # anything else is a bug: its traceback stays
+        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None):
+            raise ValueError("a bug")
+
+
+def test_flight_recorder_settings_fill_in_only_what_the_user_left_unset(tmp_path, monkeypatch):
+    from training.watchdog import enable_flight_recorder
+
+    names = ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+             "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})
+    prefix = tmp_path / "run" / "flight_recorder" / "rank"
+    assert enable_flight_recorder(tmp_path / "run") == {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(prefix)}
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(prefix) and prefix.parent.is_dir()  # torch does not create it
+
+    # The user's settings, under the older names torch also reads, stay.
+    user = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/elsewhere/trace_"}
+    monkeypatch.setattr(os, "environ", dict(user))
+    assert enable_flight_recorder(tmp_path / "other") == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert os.environ == {**user, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert not (tmp_path / "other").exists()
+
+
 def _empty_file(tmp_path: Path) -> list[str]:
     (tmp_path / "empty.jsonl").write_text("")
     return ["--data.source", str(tmp_path / "empty.jsonl")]
@@ -197,6 +357,11 @@ BAD_RUNS = [
     (lambda _: ["--training.max_skipped_steps", "0"], "error: training.max_skipped_steps = 0: must be > 0"),
     (lambda _: ["--debug.nan_steps", "0"], "error: debug.nan_steps = 0: must be > 0"),
     (lambda _: ["--debug.sleep_s", "-5"], "error: debug.sleep_s = -5.0: must be >= 0"),
+    (lambda _: ["--debug.collective_timeout_s", "0"], "error: debug.collective_timeout_s = 0.0: must be > 0"),
+    (lambda _: ["--debug.fault_rank", "-2"], "error: debug.fault_rank = -2: must be >= -1"),
+    (lambda _: ["--debug.memory_snapshot", "true"],
+     "error: debug.memory_snapshot = true needs CUDA (device is cpu): run on a GPU or set --debug.memory_snapshot "
+     "false"),
     (lambda _: ["--data.seq_len", "4096"], "error: data.seq_len = 4096 exceeds model.max_seq_len"),
     (_directory_as_recipe, "error: recipe '"),
     (_file_as_run_dir, "error: job.run_dir = "),

@@ -180,6 +180,13 @@ class MetricsConfig:
     """Write tensorboard events to `<run_dir>/tb`."""
     log_rank: int = 0
     """Rank whose console lines are printed (run.sh's LOG_RANK filters torchrun's output too)."""
+    nsa_stats_freq: int = 50
+    """NSA health telemetry to tensorboard every this many steps (0: never; dense models have none): per layer,
+    tags `nsa/<stat>/layer<i>` for the gate means (`gate_cmp`, `gate_slc`, `gate_win`), the share of selected
+    blocks that are forced (`forced_share`), the selected blocks' mean and max distance from the query in
+    selection blocks (`slc_distance_blocks`, `slc_distance_max`), the entropy of the compressed attention
+    (`cmp_entropy`, nats), and the histogram `nsa/slc_distance_hist/layer<i>`. Computed inside every forward (cheap,
+    no sync); read from the log rank's last micro-batch of the step."""
 
 
 @dataclass
@@ -199,6 +206,22 @@ class DebugConfig:
     hang_timeout_s: float = 1800.0
     """Exit (status 3) with every thread's stack in `<run_dir>/hang/rank<R>.txt` when no step completes for this
     many seconds; long enough for compilation and a checkpoint save. 0 disables the watchdog."""
+    init_timeout_s: float = 1800.0
+    """Timeout of process-group setup and of every collective until the first step completes: that step includes
+    compilation and checkpoint loading, which ranks finish at different times."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective after the first step: when a rank dies or stalls, the others exit within this
+    long (status 5, one line; on NCCL torch aborts them and dumps `<run_dir>/flight_recorder/rank<R>`)."""
+    memory_snapshot: bool = False
+    """Record the CUDA allocator's history (slows training) and dump it into `<run_dir>/memory` for
+    https://pytorch.org/memory_viz: `rank<R>_step<N>.pickle` after step `debug.memory_snapshot_step`, and
+    `rank<R>_oom.pickle` on out-of-memory. Needs CUDA."""
+    memory_snapshot_step: int = 3
+    """Step after which the memory snapshot is dumped (0: only on out-of-memory)."""
+    fault_rank: int = -1
+    """Testing only: the rank that `debug.sleep_at_step` and `debug.die_at_step` hit (-1: every rank)."""
+    die_at_step: int = 0
+    """Testing only: the process kills itself (SIGKILL) in this step (0: never), to exercise how the others end."""
     sleep_at_step: int = 0
     """Testing only: sleep `debug.sleep_s` seconds in this step (0: never), to exercise the hang watchdog."""
     sleep_s: float = 0.0
@@ -263,9 +286,15 @@ _RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "checkpoint.keep": _NON_NEGATIVE,
     "metrics.log_freq": _POSITIVE,
     "metrics.log_rank": _NON_NEGATIVE,
+    "metrics.nsa_stats_freq": _NON_NEGATIVE,
     "profiling.start_step": _POSITIVE,
     "profiling.num_steps": _POSITIVE,
     "debug.hang_timeout_s": _NON_NEGATIVE,
+    "debug.init_timeout_s": _POSITIVE,
+    "debug.collective_timeout_s": _POSITIVE,
+    "debug.memory_snapshot_step": _NON_NEGATIVE,
+    "debug.fault_rank": ("must be >= -1", lambda v: v >= -1),
+    "debug.die_at_step": _NON_NEGATIVE,
     "debug.sleep_at_step": _NON_NEGATIVE,
     "debug.sleep_s": _NON_NEGATIVE,
     "debug.nan_at_step": _NON_NEGATIVE,

@@ -1,12 +1,14 @@
-"""Console lines and tensorboard scalars for the training loop."""
+"""Console lines, tensorboard scalars and histograms for the training loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
+from nsa_models.model import NSA_STATS, distance_bin_starts
 from training.config import MetricsConfig
 
 
@@ -33,6 +35,40 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
+@dataclasses.dataclass
+class Histogram:
+    """A histogram as tensorboard stores it (`SummaryWriter.add_histogram_raw`): bucket i ends at bucket_limits[i]
+    (the last one at max)."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    bucket_counts: list[float]
+
+
+def nsa_metrics(rows: list[list[float]]) -> tuple[dict[str, float], dict[str, Histogram]]:
+    """Tensorboard scalars `nsa/<stat>/layer<i>` and histograms `nsa/slc_distance_hist/layer<i>` from the
+    per-layer telemetry rows of an NSA model (`nsa_models.model.nsa_stats`)."""
+    scalars, histograms = {}, {}
+    for layer, row in enumerate(rows):
+        stats = dict(zip(NSA_STATS, row))
+        scalars.update({f"nsa/{name}/layer{layer}": value for name, value in stats.items()
+                        if name != "slc_distance_sq"})  # kept for the histogram only
+        counts = row[len(NSA_STATS):]
+        starts = distance_bin_starts(len(counts))
+        used = max(k for k, count in enumerate(counts) if count) + 1  # trailing empty bins dropped
+        num = sum(counts)
+        histograms[f"nsa/slc_distance_hist/layer{layer}"] = Histogram(  # min 0: every query selects its own block
+            min=0.0, max=stats["slc_distance_max"], num=num, sum=stats["slc_distance_blocks"] * num,
+            sum_squares=stats["slc_distance_sq"] * num,
+            bucket_limits=[start - 0.5 for start in starts[1:used]] + [stats["slc_distance_max"]],
+            bucket_counts=counts[:used])
+    return scalars, histograms
+
+
 class MetricLogger:
     """Prints one line per log step (on `metrics.log_rank`) and writes the same scalars to `<run_dir>/tb`."""
 
@@ -52,6 +88,10 @@ class MetricLogger:
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_freq == 0 or step == self.total_steps
 
+    def should_log_nsa(self, step: int) -> bool:
+        """NSA telemetry goes to tensorboard only: on this rank if it writes there, every `nsa_stats_freq` steps."""
+        return self.writer is not None and self.cfg.nsa_stats_freq > 0 and step % self.cfg.nsa_stats_freq == 0
+
     def log(self, step: int, scalars: dict[str, float]) -> None:
         """Write `scalars` (tensorboard tags) for `step`; training steps also print the console line."""
         if not self.active:
@@ -64,6 +104,14 @@ class MetricLogger:
             print(self._line(step, scalars), flush=True)
         elif "eval/loss" in scalars:
             print(f"step {step:>6}  eval loss {scalars['eval/loss']:.4f}", flush=True)
+
+    def log_histograms(self, step: int, histograms: dict[str, Histogram]) -> None:
+        """Write `histograms` (tensorboard tags) for `step`; tensorboard only, no console line."""
+        if self.writer is None:
+            return
+        for tag, histogram in histograms.items():
+            self.writer.add_histogram_raw(tag, **dataclasses.asdict(histogram), global_step=step)
+        self.writer.flush()
 
     def _line(self, step: int, s: dict[str, float]) -> str:
         now = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Never hang silently, never lose work: a hang watchdog and a stop-on-signal flag for the training loop."""
+"""Never hang silently, never lose work: a hang watchdog, a stop-on-signal flag, one-line reports of a dead peer or
+of out-of-memory (with an allocator snapshot), and the NCCL flight recorder's settings."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+from training.config import ConfigError
+
 HANG_EXIT_CODE = 3
+COLLECTIVE_EXIT_CODE = 5
+OOM_EXIT_CODE = 6
 
 
 class HangWatchdog:
@@ -87,3 +92,117 @@ class StopOnSignal:
         if self.received:  # the user insists: no checkpoint, exit the conventional 128 + signal number
             os._exit(128 + signum)
         self.received = signum
+
+
+class RunFailed(Exception):
+    """A run ended by a known failure: train.py prints `error: <message>` and exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class MemorySnapshots:
+    """Records the CUDA allocator's history and dumps it for https://pytorch.org/memory_viz.
+
+    `<run_dir>/memory/rank<R>_step<N>.pickle` after step N (`debug.memory_snapshot_step`), and
+    `rank<R>_oom.pickle` when an allocation fails (see ReportFailures). Recording keeps a stack trace per
+    allocation, which slows training: a debugging switch, off by default.
+    """
+
+    MAX_ENTRIES = 100_000  # allocator events kept (a ring buffer): several steps of a large model, bounded memory
+
+    def __init__(self, run_dir: str | Path, rank: int, device, dump_after_step: int) -> None:
+        import torch
+
+        if device.type != "cuda":
+            raise ConfigError(f"debug.memory_snapshot = true needs CUDA (device is {device.type}): run on a GPU or "
+                              "set --debug.memory_snapshot false")
+        self.folder, self.rank, self.dump_after_step = Path(run_dir) / "memory", rank, dump_after_step
+        torch.cuda.memory._record_memory_history(max_entries=self.MAX_ENTRIES)
+
+    def after_step(self, step: int) -> None:
+        if step == self.dump_after_step:
+            self.dump(f"step{step}")
+
+    def dump(self, name: str) -> Path:
+        import torch
+
+        path = self.folder / f"rank{self.rank}_{name}.pickle"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        return path
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective or store operation that failed: a peer died, or a timeout passed."""
+    import torch.distributed as dist
+
+    # NCCL and the store raise DistError; gloo raises a plain RuntimeError whose message starts with the gloo
+    # source location ("[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer").
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/" in str(error))
+
+
+class ReportFailures:
+    """Turns the two failures of a correct program into RunFailed (one line, no traceback): a collective that failed
+    because another rank died or stalled past the timeout (exit status 5), and out-of-memory (exit status 6, after
+    dumping `rank<R>_oom.pickle` when `memory` records). Any other exception passes unchanged: it is a bug.
+
+    `beat(step)` after each step; until the first beat, the failing collective ran under `debug.init_timeout_s`.
+    """
+
+    def __init__(self, rank: int, start_step: int, init_timeout_s: float, collective_timeout_s: float,
+                 memory: MemorySnapshots | None) -> None:
+        self.rank, self.memory = rank, memory
+        self.timeouts = {"debug.init_timeout_s": init_timeout_s, "debug.collective_timeout_s": collective_timeout_s}
+        self._last_step, self._beats = start_step, 0
+
+    def __enter__(self) -> ReportFailures:
+        return self
+
+    def beat(self, step: int) -> None:
+        self._last_step, self._beats = step, self._beats + 1
+
+    def __exit__(self, exc_type, error, traceback) -> None:
+        import torch
+
+        where = f"rank {self.rank}: step {self._last_step + 1}"
+        cause = str(error).strip().split("\n")[0] if error is not None else ""
+        if isinstance(error, torch.OutOfMemoryError):
+            advice = "lower training.micro_batch_size or set activation_checkpoint.mode = 'full'"
+            if self.memory is not None:
+                snapshot = f"allocator snapshot {self.memory.dump('oom')} (open it at https://pytorch.org/memory_viz)"
+            else:
+                snapshot = "rerun with --debug.memory_snapshot true for an allocator snapshot"
+            raise RunFailed(f"{where}: out of memory ({cause}); {snapshot}; {advice}", OOM_EXIT_CODE) from None
+        if error is not None and is_collective_failure(error):
+            key = "debug.collective_timeout_s" if self._beats else "debug.init_timeout_s"
+            raise RunFailed(f"{where}: a collective failed ({cause}): another rank died, or stalled longer than "
+                            f"{key} = {self.timeouts[key]:g} s; its own output says why; rerun to resume from the "
+                            "latest checkpoint", COLLECTIVE_EXIT_CODE) from None
+
+
+def enable_flight_recorder(run_dir: str | Path) -> dict[str, str]:
+    """Make NCCL dump every rank's last collectives to `<run_dir>/flight_recorder/rank<R>` when a collective times
+    out (read them with `python -m torch.distributed.flight_recorder.fr_trace <that folder>`).
+
+    Sets each setting the user has not set under any of its names; returns what it set. Call it before
+    init_process_group, which reads them. torch writes `<prefix><global rank>` but does not create the folder.
+    """
+    folder = Path(run_dir) / "flight_recorder"
+    # torch 2.13's name: (value, older names it still reads, with a deprecation warning)
+    settings = {
+        "TORCH_FR_BUFFER_SIZE": ("2000", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1",),
+        "TORCH_FR_DUMP_TEMP_FILE": (str(folder / "rank"), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+    }
+    chosen = {name: value for name, (value, *others) in settings.items()
+              if not any(n in os.environ for n in (name, *others))}
+    if "TORCH_FR_DUMP_TEMP_FILE" in chosen:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"job.run_dir = {str(run_dir)!r} is not writable ({e.strerror}): choose another "
+                              "directory") from None
+    os.environ.update(chosen)
+    return chosen

@@ -18,8 +18,10 @@ except ImportError:
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs,
-                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """NSA output [B, T, HQ, D] and selected block indices [B, H, T, n] (int64, -1 = padding).
+                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
+    [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
+    sees no compressed block (telemetry: `nsa_models.model.nsa_stats`).
 
     q: [B, T, HQ, D] rotated queries; k_*/v_*: [B, T, H, D] per-branch keys/values (the same tensors when the
     projection is shared); k_cmp/v_cmp: [B, Nc, H, D] compressed keys/values; gates: [B, T, HQ, 3] sigmoid

@@ -92,11 +92,17 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, start: int, args:
     return p_cmp.to(v_cmp.dtype) @ v_cmp.unsqueeze(2), p_cmp
 
 
+def compressed_entropy(p_cmp: Tensor) -> Tensor:
+    """Entropy (nats, fp32, detached) of each query's compressed-attention distribution p_cmp [..., Nc] -> [...];
+    0 for a query that sees no compressed block (its row is all zeros)."""
+    return torch.special.entr(p_cmp.detach()).sum(-1).float()
+
+
 def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
-           start: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[list[Tensor], Tensor]:
-    """Branch outputs (cmp, slc, win), each [B, H, G, C, D], and block indices [B, H, C, n] for queries
-    start .. start+C-1. Head-major layouts throughout: q [B, H, G, C, D], keys/values [B, H, T or Nc, D], so
-    every product is a batched matmul with no layout copies."""
+           start: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Branch outputs (cmp, slc, win), each [B, H, G, C, D], block indices [B, H, C, n] and the compressed
+    entropy [B, H, G, C] for queries start .. start+C-1. Head-major layouts throughout: q [B, H, G, C, D],
+    keys/values [B, H, T or Nc, D], so every product is a batched matmul with no layout copies."""
     B, H, G, C, D = q.shape
     seq_len = k_slc.shape[2]
     scale = D ** -0.5
@@ -129,13 +135,14 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     visible = (u <= t[:, None]) & (u > t[:, None] - w)
     p_win = _masked_softmax(q @ k_win[:, :, k0:start + C].transpose(-1, -2).unsqueeze(2) * scale, visible)
     o_win = p_win.to(v_win.dtype) @ v_win[:, :, k0:start + C].unsqueeze(2)
-    return [o_cmp, o_slc, o_win], block_indices
+    return [o_cmp, o_slc, o_win], block_indices, compressed_entropy(p_cmp)
 
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs,
-                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n])."""
+                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
+    entropy [B, T, HQ])."""
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
     G = HQ // H
@@ -143,14 +150,16 @@ def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     kv = [x.transpose(1, 2) for x in (k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)]  # [B, H, T or Nc, D]
     kv[:2] = [x.contiguous() for x in kv[:2]]  # the selected branch looks rows up in these: one copy, not one per chunk
     gh = gates.view(B, T, H, G, 3).permute(0, 2, 3, 1, 4)  # [B, H, G, T, 3]
-    outs, indices = [], []
+    outs, indices, entropies = [], [], []
     for start in range(0, T, args.query_chunk):
         end = min(T, start + args.query_chunk)
         chunk_idx = None if block_indices is None else block_indices[:, :, start:end]
-        branches, idx = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx)
+        branches, idx, entropy = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx)
         g = gh[:, :, :, start:end].to(branches[0].dtype)
         outs.append(sum(g[..., i:i + 1] * o for i, o in enumerate(branches)))
         indices.append(idx)
+        entropies.append(entropy)
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     idx = torch.cat(indices, dim=2) if len(indices) > 1 else indices[0]
-    return out.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D), idx
+    entropy = torch.cat(entropies, dim=3) if len(entropies) > 1 else entropies[0]
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D), idx, entropy.permute(0, 3, 1, 2).reshape(B, T, HQ)

@@ -33,6 +33,24 @@ def _load_block(K, V, kv_base, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.conste
     return pos, tl.load(K + kv_ptr, mask=kv_mask, other=0.0), tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
 
 
+@triton.jit
+def online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
+    """Fold one key tile into a streaming softmax: scores s [rows, keys] in log2 units (-inf: not visible),
+    values v [keys, BD]; running row max m, row sum l and output acc [rows, BD]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def softmax_output(m, l, acc):
+    """Normalised output [rows, BD] and natural-log lse [rows]; a row that saw no key gives 0 and -inf."""
+    l_safe = tl.where(l > 0, l, 1.0)
+    return acc / l_safe[:, None], tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+
 @triton.jit(do_not_specialize=["T", "N_SEL"])  # one compile for every length
 def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                 BS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
@@ -54,16 +72,9 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl
             pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
             s = tl.where((pos <= t)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block entirely in the future
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+            m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
+    o, lse = softmax_output(m, l, acc)
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    lse = tl.where(l > 0, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + rows, lse, mask=row_ok)
 
 

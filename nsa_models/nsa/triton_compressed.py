@@ -1,0 +1,356 @@
+"""Compressed attention (NSA branch 1) and the top-n block selection (branches 2-3) in Triton, as torch custom ops.
+
+Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
+Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t.
+
+A tile's rows are QB consecutive query positions x the G heads of one KV group, the heads padded to a power of
+two GP (row r is head r % GP of position t0 + r // GP), so every query of the group shares the loaded keys and a
+small G still fills the matrix-unit rows with positions.
+
+- Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp.
+- Backward: dQ with the forward's grid; dK/dV with one program per (KV head, tile of compressed blocks, chunk of
+  queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible.
+- Selection: recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed blocks
+  to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
+  overlap that spills into the next tile), forces block 0 and the two most recent blocks, and writes one int64
+  sort key per candidate block: the fp32 score's bits above the complement of the block index, so that ranking
+  the keys orders by score and breaks ties towards the lower index, as the reference's stable sort. Each query
+  keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge step).
+  The same pass gives each query head's compressed-attention entropy (telemetry).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nsa_models.nsa.triton_selected import online_softmax_update, softmax_output
+
+_LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
+_ROWS = 64  # rows (query positions x padded group heads) per tile
+_KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
+_KEYS_BWD = 64  # compressed blocks per dK/dV program: each query row loaded serves this many keys
+_BWD_CHUNK = 2048  # query positions per dK/dV program
+
+
+@triton.jit
+def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr):
+    """Query positions [BM], rows of [B * T * HQ] [BM] and their validity for the tile starting at t0."""
+    r = tl.arange(0, BM)
+    t = t0 + r // GP
+    g = r % GP
+    ok = (g < G) & (t < T)
+    return t, (b * T + t) * (H * G) + h * G + g, ok
+
+
+@triton.jit
+def _query_tile(T, NC, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr):
+    """This program's query tile (grid: query tiles x batch * KV heads): first position, positions, rows and
+    their validity, head-dim lanes, the q/o mask, and the offset of its (batch, KV head) in the compressed keys."""
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    t0 = tl.program_id(0).to(tl.int64) * (BM // GP)
+    t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    return t0, t, rows, row_ok, d, d_ok, row_ok[:, None] & d_ok[None, :], b * NC * H * D + h * D
+
+
+@triton.jit
+def _load_keys(K, V, kv_base, n, NC, d, d_ok, H: tl.constexpr, D: tl.constexpr):
+    """Compressed keys and values [BN, BD] of blocks n (zeros past the last block)."""
+    ptr = kv_base + n[:, None] * (H * D) + d[None, :]
+    mask = (n < NC)[:, None] & d_ok[None, :]
+    return tl.load(K + ptr, mask=mask, other=0.0), tl.load(V + ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _n_visible(t, NC, L: tl.constexpr, S: tl.constexpr):
+    """Compressed blocks visible to query t (t may be a tensor): i*S + L - 1 <= t."""
+    return tl.minimum(tl.where(t + 1 >= L, (t + 1 - L) // S + 1, 0), NC)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BD: tl.constexpr, PRECISION: tl.constexpr):
+    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for n0 in range(0, _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), BN):
+        n = n0 + tl.arange(0, BN)
+        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+        s = tl.where((n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :], s, float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
+    o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
+    tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
+    tl.store(LSE + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
+    """Backward inputs of query rows: q and dO [BM, BD], log-sum-exp in log2 units and delta [BM]."""
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+    dq = tl.zeros([BM, BD], tl.float32)
+    for n0 in range(0, _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), BN):
+        n = n0 + tl.arange(0, BN)
+        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit(do_not_specialize=["T", "NC", "CHUNK"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk_scale, scale, H: tl.constexpr,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    tile, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64)
+    b, h = bh // H, bh % H
+    n = tile * BN + tl.arange(0, BN)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    kv_base = b * NC * H * D + h * D
+    k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+    dk = tl.zeros([BN, BD], tl.float32)
+    dv = tl.zeros([BN, BD], tl.float32)
+    # This chunk's queries, from the first one that sees the tile's first block on (none: zero partials).
+    for t0 in range(tl.maximum(chunk * CHUNK, tile * BN * S + L - 1), tl.minimum(chunk * CHUNK + CHUNK, T), BM // GP):
+        t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
+        row_ok &= t < chunk * CHUNK + CHUNK
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+        visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dk += tl.dot(tl.trans((p * (dp - delta[:, None])).to(q.dtype)), q, input_precision=PRECISION)
+    ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
+    mask = (n < NC)[:, None] & d_ok[None, :]
+    tl.store(DK_PART + ptr, dk * scale, mask=mask)
+    tl.store(DV_PART + ptr, dv, mask=mask)
+
+
+@triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL"])
+def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, SEL: tl.constexpr,
+                   BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                   STORE_KEYS: tl.constexpr):
+    QB: tl.constexpr = BM // GP
+    PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
+    PB: tl.constexpr = L // S  # stride segments per compressed block
+    BN: tl.constexpr = BJ * PS
+    bh = tl.program_id(1).to(tl.int64)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
+    # overlap[i, j]: stride segments shared by compressed block i and selection block j of a tile (local
+    # indices; the tile's first block starts both), and spill[i]: those shared with the next tile's first.
+    i_loc = tl.arange(0, BN)[:, None]
+    j_loc = tl.arange(0, BJ)[None, :]
+    overlap = tl.maximum(tl.minimum(j_loc * PS + PS, i_loc + PB) - tl.maximum(j_loc * PS, i_loc), 0).to(tl.float32)
+    spill = tl.maximum(tl.arange(0, BN) + PB - BN, 0).to(tl.float32)
+    tq = t0 + tl.arange(0, QB)  # the tile's query positions
+    current = tq // SEL
+    t_last = tl.minimum(t0 + QB, T) - 1
+    n_vis = _n_visible(t_last, NC, L, S)
+    carry = tl.zeros([QB], tl.float32)
+    entropy = tl.zeros([BM], tl.float32)
+    # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
+    top = tl.full([QB, BJ], -1, tl.int64)
+    n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
+    for j0 in range(0, n_cols, BJ):
+        j = j0 + tl.arange(0, BJ)
+        score = tl.where(j_loc == 0, carry[:, None], 0.0)
+        carry = tl.zeros([QB], tl.float32)
+        if j0 * PS < n_vis:
+            n = j0 * PS + tl.arange(0, BN)
+            k = tl.load(K + kv_base + n[:, None] * (H * D) + d[None, :], mask=(n < NC)[:, None] & d_ok[None, :],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            entropy += tl.sum(tl.where(visible, p * (lse[:, None] - s), 0.0), 1)
+            # The group's heads share one selection: sum their rows (linear, so after the overlap product).
+            per_row = tl.dot(p, overlap, input_precision="tf32x3")  # [BM, BJ], ~fp32 exact
+            score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
+            carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
+        forced = (j[None, :] == 0) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
+        score = tl.where(forced, float("inf"), score)
+        score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
+        # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
+        bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
+        key = bits.to(tl.int64) * 4294967296 + (4294967295 - j[None, :].to(tl.int64))
+        if STORE_KEYS:
+            tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key, mask=(tq < T)[:, None] & (j < NS)[None, :])
+        # Bitonic merge: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
+        # BJ largest of both (unordered); sorting it keeps `top` descending for the next tile.
+        top = tl.sort(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
+    rank = tl.arange(0, BJ)[None, :]
+    chosen = tl.where((top >= 0) & (rank < N_SEL), 4294967295 - (top & 4294967295), NS)  # NS: none
+    chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
+    idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
+    tl.store(IDX + idx_ptr, tl.where(chosen == NS, -1, chosen), mask=(tq < T)[:, None] & (rank < N_SEL))
+    tl.store(ENT + rows, entropy * 0.6931471805599453, mask=row_ok)
+
+
+def _tiling(G: int, D: int, dtype: torch.dtype) -> dict:
+    """Padded group size, padded head dim and the dot precision (exact fp32 for fp32 inputs)."""
+    GP = triton.next_power_of_2(G)
+    if GP > _ROWS:
+        raise ValueError(f"compressed attention: GQA group size {G} is above {_ROWS}")
+    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
+        raise ValueError(f"compressed attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
+                         "must be [B, T, HQ, D] and [B, Nc, H, D] with H dividing HQ")
+    if stride & (stride - 1) or block % stride:
+        raise ValueError(f"compressed attention: stride d = {stride} must be a power of two dividing l = {block}")
+
+
+@torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
+def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block)."""
+    _check(q, k, v, block, stride)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, T, HQ, D = q.shape
+    H, NC = k.shape[2], k.shape[1]
+    tiles = _tiling(HQ // H, D, q.dtype)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, T, NC, scale * _LOG2E, H=H, L=block, S=stride, BN=_KEYS, **tiles,
+                      num_warps=4, num_stages=2)
+    return o, lse
+
+
+@compressed_attention_fwd.register_fake
+def _(q, k, v, block, stride, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
+def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
+                             stride: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
+    q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
+    B, T, HQ, D = q.shape
+    H, NC = k.shape[2], k.shape[1]
+    tiles = _tiling(HQ // H, D, q.dtype)
+    args = dict(H=H, L=block, S=stride, **tiles, num_warps=4, num_stages=2)
+    dq = torch.empty_like(q)
+    _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
+        q, k, v, do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **args)
+    # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
+    # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block.
+    n_chunks = triton.cdiv(T, _BWD_CHUNK)
+    dk_part = torch.empty(n_chunks, B, NC, H, D, device=q.device, dtype=torch.float32)
+    dv_part = torch.empty_like(dk_part)
+    if NC:
+        _bwd_dkdv_kernel[(triton.cdiv(NC, _KEYS_BWD), n_chunks, B * H)](
+            q, k, v, do, lse, delta, dk_part, dv_part, T, NC, _BWD_CHUNK, scale * _LOG2E, scale, BN=_KEYS_BWD,
+            **args)
+    return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
+
+
+@compressed_attention_bwd.register_fake
+def _(do, q, k, v, lse, delta, block, stride, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block, stride, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.block, ctx.stride, ctx.scale = block, stride, scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    delta = (o.float() * do.float()).sum(-1)  # d lse / d scores = p: an lse cotangent shifts delta
+    if dlse is not None:
+        delta = delta - dlse
+    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
+            scale: float, store_keys: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    B, T, HQ, D = q.shape
+    H, NC = k.shape[2], k.shape[1]
+    if sel_block % stride or block > sel_block + stride:
+        raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
+                         "l' + d (a compressed block overlaps at most two selection blocks)")
+    q, k, lse = q.contiguous(), k.contiguous(), lse.contiguous()
+    tiles = _tiling(HQ // H, D, q.dtype)
+    n_sel = triton.cdiv(T, sel_block)
+    idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
+    entropy = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    keys = torch.empty(B, H, T, n_sel, device=q.device, dtype=torch.int64) if store_keys else None
+    # Selection blocks per tile: at least n (the running top-n is merged with one tile at a time).
+    per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
+    grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
+    _select_kernel[grid](q, k, lse, idx, entropy, keys, T, NC, n_sel, n_selected, scale * _LOG2E, H=H, L=block,
+                         S=stride, SEL=sel_block, BJ=per_tile, STORE_KEYS=store_keys, **tiles, num_warps=4,
+                         num_stages=2)
+    return idx, entropy, keys
+
+
+def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int,
+                   scale: float) -> Tensor:
+    """For tests: the int64 sort key [B, H, T, Ns] the selection ranks each block by (the fp32 score's bits above
+    the complement of the block index; negative: a future block)."""
+    return _select(q, k, lse, block, stride, sel_block, 1, scale, store_keys=True)[2]
+
+
+@torch.library.custom_op("nsa::select_topn", mutates_args=())
+def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """Top-n selection blocks per (batch, KV head, query), shared by the GQA group, and the entropy (nats) of
+    each query head's compressed-attention distribution.
+
+    q [B, T, HQ, D], compressed k [B, Nc, H, D], lse [B, T, HQ] from `compressed_attention_fwd`. Returns int64
+    [B, H, T, n] (ascending, -1 padding at the end, as the reference's `select_blocks`) and fp32 [B, T, HQ].
+    Nothing of size T x Ns is written: each query keeps its running top-n in registers.
+    """
+    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, store_keys=False)
+    return idx, entropy
+
+
+@select_topn.register_fake
+def _(q, k, lse, block, stride, sel_block, n_selected, scale):
+    B, T, HQ, _ = q.shape
+    return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
+                                                                                      dtype=torch.float32)

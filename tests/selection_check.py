@@ -1,0 +1,54 @@
+"""Whether a top-n block selection is right for given inputs, judged by the reference's selection scores.
+
+Two implementations that sum the same probabilities in different orders may rank blocks whose scores differ by
+rounding differently; anything else (a missing forced block, a future block, a clearly lower-scored block kept
+over a higher one, wrong padding) is an error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nsa_models.args import NSAArgs
+from nsa_models.nsa.reference import compressed_branch, selection_scores
+
+
+def reference_scores(q: Tensor, k_cmp: Tensor, args: NSAArgs, start: int = 0, seq_len: int | None = None) -> Tensor:
+    """[B, H, C, Ns] fp64 selection scores of queries start .. start+C-1 (q [B, C, HQ, D]) of a sequence of
+    seq_len tokens (default: start + C), with forced blocks at +inf and future blocks at -inf."""
+    B, C, HQ, D = q.shape
+    H = k_cmp.shape[2]
+    T = start + C if seq_len is None else seq_len
+    qh = q.detach().double().view(B, C, H, HQ // H, D).permute(0, 2, 3, 1, 4)
+    k = k_cmp.detach().double().transpose(1, 2)
+    _, p_cmp = compressed_branch(qh, k, k, start, args)
+    score = selection_scores(p_cmp, T, args)
+    j = torch.arange(score.shape[-1], device=q.device)
+    current = (torch.arange(start, start + C, device=q.device) // args.sel_block_size)[:, None]
+    forced = (j == 0) | (j == current) | (j == current - 1)
+    return score.masked_fill(forced, float("inf")).masked_fill(j > current, float("-inf"))
+
+
+def assert_valid_selection(idx: Tensor, scores: Tensor, n: int, tol: float) -> None:
+    """idx [B, H, T, n] (ascending, -1 padding last) must keep the forced blocks (n of them if n is smaller), pick min(n, candidates)
+    blocks, and no unchosen candidate may beat a chosen one by more than `tol` (relative to the row's scale)."""
+    assert idx.shape == scores.shape[:3] + (n,)
+    valid = idx >= 0
+    padded = torch.where(valid, idx, torch.iinfo(torch.int64).max)
+    assert torch.equal(padded, padded.sort(-1).values), "indices are not ascending with -1 padding last"
+    n_sel = scores.shape[-1]
+    chosen = torch.zeros(scores.shape[:3] + (n_sel + 1,), dtype=torch.bool, device=idx.device)
+    chosen = chosen.scatter(-1, torch.where(valid, idx, n_sel), True)[..., :n_sel]  # padding: a spare column
+    assert torch.equal(valid.sum(-1), chosen.sum(-1)), "a block is chosen twice"
+    candidates = scores > float("-inf")
+    assert torch.equal(valid.sum(-1), candidates.sum(-1).clamp_max(n)), "wrong number of chosen blocks"
+    assert not (chosen & ~candidates).any(), "a future block is chosen"
+    forced = scores == float("inf")
+    assert torch.equal((forced & chosen).sum(-1), forced.sum(-1).clamp_max(n)), "a forced block is missing"
+    finite = scores.masked_fill(~torch.isfinite(scores), 0)
+    scale = finite.amax(-1).clamp_min(1e-30)
+    worst_kept = torch.where(chosen & torch.isfinite(scores), finite, float("inf")).amin(-1)  # forced aside
+    best_left = torch.where(candidates & ~chosen, finite, float("-inf")).amax(-1)
+    excess = ((best_left - worst_kept) / scale).max().item()
+    assert excess <= tol, f"an unchosen block scores {excess:.2e} (relative) above a chosen one"

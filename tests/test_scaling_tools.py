@@ -1,0 +1,133 @@
+"""bench/scaling.py on CPU (torchrun of 1 and 2 gloo ranks) and scripts/plot_tb.py on a run's event files."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import env
+
+REPO = Path(__file__).resolve().parents[1]
+# 2 sequences of 64 tokens per rank per step of the debug model.
+TINY = ["--set", "training.device=cpu", "--set", "data.seq_len=64", "--set", "training.micro_batch_size=2", "--set",
+        "lr_scheduler.warmup_steps=1", "--steps", "4", "--warmup", "1"]
+BOGUS_PLAN_ERROR = "error: parallelism.data_parallel = 'bogus': expected one of 'ddp', 'fsdp', 'hsdp'"
+
+
+def run_script(path: str, *args: str) -> subprocess.CompletedProcess:
+    # One thread per process: the ranks of 2 processes share 2 cores (see tests/test_compile_sweep.py).
+    return subprocess.run([sys.executable, path, *args], cwd=REPO, env={**env(), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
+    out = tmp_path / "scaling"
+    result = run_script("bench/scaling.py", "recipes/debug.toml", "--plans", "ddp", "bogus", "fsdp", "--gpus", "1",
+                        "2", "--out", str(out), *TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out / "scaling.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["plan"], r["gpus"], r["global_batch_tokens"]) for r in rows] == [
+        ("ddp", "1", "128"), ("ddp", "2", "256"), ("bogus", "1", "128"), ("bogus", "2", "256"), ("fsdp", "1", "128"),
+        ("fsdp", "2", "256")]
+    by_cell = {(r["plan"], int(r["gpus"])): r for r in rows}
+
+    for plan in ("ddp", "fsdp"):
+        one, two = by_cell[(plan, 1)], by_cell[(plan, 2)]
+        for gpus, row in ((1, one), (2, two)):
+            assert row["status"] == "ok" and row["exit_code"] == "0" and row["error"] == ""
+            assert float(row["tokens_per_s"]) > 0 and float(row["peak_mem_gib"]) > 0
+            assert float(row["tokens_per_s_per_gpu"]) == pytest.approx(float(row["tokens_per_s"]) / gpus)
+            run_dir = out / row["cell"]
+            assert row["cell"] == f"{gpus}gpu/parallelism.data_parallel={plan}"
+            assert f"on {gpus} rank(s), cpu" in (run_dir / "output.log").read_text()  # torchrun started N ranks
+            config = (run_dir / "config.toml").read_text()
+            assert f"global_batch_tokens = {64 * 2 * gpus}\n" in config and f'data_parallel = "{plan}"' in config
+            assert 'source = "synthetic"' in config
+        assert float(one["efficiency"]) == 1.0
+        assert float(two["efficiency"]) == pytest.approx(float(two["tokens_per_s_per_gpu"]) /
+                                                         float(one["tokens_per_s_per_gpu"]))
+    # The same batch and math per GPU count: the plans differ only in how ranks hold the model.
+    for gpus in (1, 2):
+        assert float(by_cell[("ddp", gpus)]["final_loss"]) == pytest.approx(
+            float(by_cell[("fsdp", gpus)]["final_loss"]), rel=1e-4)
+        bogus = by_cell[("bogus", gpus)]
+        assert bogus["status"] == "failed" and bogus["exit_code"] not in ("", "0")
+        assert bogus["error"] == BOGUS_PLAN_ERROR and bogus["tokens_per_s"] == bogus["efficiency"] == ""
+
+    # The printed table is the saved one: a row per cell, numeric tokens/s where the cell ran.
+    table = [line for line in (out / "scaling.md").read_text().splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| plan | gpus | global_batch_tokens | tokens_per_s | tokens_per_s_per_gpu | efficiency")
+    assert all(line in result.stdout for line in table) and len(table) == 1 + len(rows)
+    ddp_two = table[2].split(" | ")
+    assert ddp_two[:3] == ["| ddp", "2", "256"] and float(ddp_two[3].replace(",", "")) > 0
+
+
+def test_per_rank_tokens_and_argument_errors(capsys):
+    from bench.scaling import main, tokens_per_rank
+    from training.config import ConfigError
+
+    assert tokens_per_rank("recipes/debug.toml", {}, 1) == 8 * 256  # the recipe's micro-batch of 8 x 256
+    assert tokens_per_rank("recipes/debug.toml", {"data.seq_len": "64"}, 3) == 8 * 64 * 3
+    with pytest.raises(ConfigError, match=r"--set training.micro_batch_size=two: expected a positive integer"):
+        tokens_per_rank("recipes/debug.toml", {"training.micro_batch_size": "two"}, 1)
+    for args, message in ((["--gpus", "1", "1"], "error: --gpus 1 1: repeated value; list each once"),
+                          (["--gpus", "0"], "error: --gpus 0 --grad-accum 1: must be >= 1"),
+                          (["--launcher", "x"], "error: --launcher: scaling.py launches torchrun itself")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["recipes/debug.toml", *args])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.startswith(message)
+
+
+def write_events(run_dir: Path) -> None:
+    """A run's tb/ with a loss, a throughput and per-layer NSA stats of 4 layers as train.py tags them
+    (`nsa/<stat>/layer<i>`; layer10 sorts after layer2)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(run_dir / "tb")) as writer:
+        for step in range(1, 11):
+            writer.add_scalar("train/loss", 6.0 - 0.1 * step, step)
+            writer.add_scalar("perf/tokens_per_s", 1000.0 + step, step)
+            for layer in (0, 1, 2, 10):
+                writer.add_scalar(f"nsa/gate_cmp/layer{layer}", layer + 0.01 * step, step)
+                writer.add_scalar(f"nsa/gate_slc/layer{layer}", -layer - 0.01 * step, step)
+
+
+def test_plot_groups_layers_into_one_png_grid(tmp_path):
+    from PIL import Image
+
+    from scripts.plot_tb import panels, read_scalars
+
+    run_dir, png = tmp_path / "run", tmp_path / "docs" / "health.png"
+    write_events(run_dir)
+    grid = panels(read_scalars(run_dir), ["nsa/", "perf/"])
+    assert list(grid) == ["nsa/gate_cmp", "nsa/gate_slc", "perf/tokens_per_s"]
+    assert list(grid["nsa/gate_cmp"]) == ["layer0", "layer1", "layer2", "layer10"]
+    steps, values = grid["nsa/gate_slc"]["layer10"]
+    assert steps == list(range(1, 11)) and values == pytest.approx([-10 - 0.01 * s for s in steps])
+    assert list(grid["perf/tokens_per_s"]) == ["tokens_per_s"]
+
+    result = run_script("scripts/plot_tb.py", str(run_dir), "--out", str(png), "--tags-prefix", "nsa/", "perf/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"saved {png}: 3 subplots (nsa/gate_cmp, nsa/gate_slc, perf/tokens_per_s)"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1350, 320)  # one row of three 4.5 x 3.2 in subplots
+        low, high = image.convert("L").getextrema()
+        assert high - low > 100  # drawn on, not a blank canvas
+
+
+@pytest.mark.parametrize("make_dir", [False, True], ids=["missing", "empty"])
+def test_plot_without_events_is_one_error_line(tmp_path, make_dir):
+    run_dir, png = tmp_path / "run", tmp_path / "out.png"
+    if make_dir:
+        (run_dir / "tb").mkdir(parents=True)
+    result = run_script("scripts/plot_tb.py", str(run_dir), "--out", str(png))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"error: RUN_DIR {run_dir}: no tensorboard event files in it or in its tb/; give a "
+                             "run's job.run_dir (metrics.tensorboard = true)\n")
+    assert not png.exists()

@@ -1,0 +1,104 @@
+"""Triton compressed attention and top-n selection under the Triton interpreter (CPU), against the reference.
+
+Kernels run in fp32 (the interpreter's bf16 tl.dot is wrong); the oracle is the reference in fp64. On a GPU,
+tests/test_triton_gpu.py covers the compiled kernels at real shapes.
+"""
+
+import os
+
+import pytest
+import torch
+
+from nsa_models.args import NSAArgs
+from nsa_models.nsa import triton_compressed
+from nsa_models.nsa.reference import compressed_branch, num_cmp_blocks, select_blocks
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn, selection_keys
+from tests.selection_check import assert_valid_selection, reference_scores
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def reference(q, k, v, args):
+    """The reference's compressed output [B, T, HQ, D], probabilities [B, H, G, T, Nc] and entropy [B, T, HQ]."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    o, p = compressed_branch(q.view(B, T, H, HQ // H, D).permute(0, 2, 3, 1, 4), k.transpose(1, 2),
+                             v.transpose(1, 2), 0, args)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return (o.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D), p,
+            entropy.permute(0, 3, 1, 2).reshape(B, T, HQ))
+
+
+# (B, T, H, G, D, l/d/l', n, keys per tile): T < l, T not a multiple of any block, G of 1, 2, 3 (padded to 4)
+# and 4, both overlap patterns (l = 2d and l = d = l'), n above the candidate count (padding), D not a power of
+# two, and small tiles so that loops run over several key tiles (the selection's overlap carried across them).
+CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
+         (2, 37, 1, 1, 16, (16, 16, 16), 4, 64),
+         (1, 70, 2, 3, 16, (32, 16, 16), 3, 64),
+         (1, 130, 2, 4, 24, (32, 16, 64), 2, 64),
+         (1, 200, 1, 2, 16, (16, 8, 32), 5, 64),
+         (1, 300, 2, 2, 16, (16, 8, 16), 6, 16)]
+
+
+@pytest.mark.parametrize("B,T,H,G,D,blocks,n,keys", CASES)
+def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, blocks, n, keys, monkeypatch):
+    monkeypatch.setattr(triton_compressed, "_KEYS", keys)
+    monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)
+    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK", 64 if keys < 64 else 2048)  # several query chunks
+    l, d, lp = blocks
+    args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=lp, n_selected=n)
+    gen = torch.Generator().manual_seed(T * 7 + G)
+    n_cmp = num_cmp_blocks(T, l, d)
+    q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    k, v = (torch.randn(B, n_cmp, H, D, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    want_o, p_cmp, want_entropy = reference(q, k, v, args)
+
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    o, lse = compressed_attention_fwd(q32, k32, v32, l, d, D ** -0.5)
+    assert rel_err(o, want_o) <= 1e-5
+    # lse is -inf exactly where the query sees no block (t < l - 1), finite elsewhere.
+    assert torch.equal(torch.isinf(lse), (torch.arange(T) < l - 1).view(1, T, 1).expand_as(lse))
+
+    cot = torch.randn_like(want_o)
+    want = torch.autograd.grad((want_o * cot).sum(), (q, k, v))
+    got = torch.autograd.grad((o * cot.float()).sum(), (q32, k32, v32))
+    for name, g, w in zip("qkv", got, want):
+        assert rel_err(g, w) <= 1e-5, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+    idx, entropy = select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)
+    want_scores = reference_scores(q, k, args)
+    assert_valid_selection(idx, want_scores, n, tol=1e-5)
+    keys = selection_keys(q32.detach(), k32.detach(), lse, l, d, lp, D ** -0.5)
+    scores = (keys >> 32).to(torch.int32).view(torch.float32)  # candidates' scores
+    finite = torch.isfinite(want_scores)
+    assert torch.equal(keys < 0, want_scores == float("-inf"))
+    assert torch.equal(scores.isinf() & (keys >= 0), want_scores == float("inf"))
+    assert rel_err(scores[finite], want_scores[finite]) <= 1e-5
+    assert torch.equal(idx, select_blocks(p_cmp.float(), 0, T, l, d, lp, n))  # no near-ties at these sizes
+    assert rel_err(entropy, want_entropy) <= 1e-5 if n_cmp else torch.equal(entropy, torch.zeros_like(entropy))
+
+
+def test_many_queries_share_one_block_and_ties_break_low():
+    """Identical compressed keys give every block the same score: the lowest indices win, as the reference."""
+    args = NSAArgs(cmp_block_size=16, cmp_stride=16, sel_block_size=16, n_selected=4)
+    B, T, H, G, D = 1, 160, 1, 2, 16
+    q = torch.randn(B, T, H * G, D)
+    k = torch.randn(1, 1, 1, D).expand(B, num_cmp_blocks(T, 16, 16), H, D).contiguous()
+    o, lse = compressed_attention_fwd(q, k, k, 16, 16, D ** -0.5)
+    idx, _ = select_topn(q, k, lse, 16, 16, 16, 4, D ** -0.5)
+    _, p_cmp, _ = reference(q.double(), k.double(), k.double(), args)
+    assert torch.equal(idx, select_blocks(p_cmp.float(), 0, T, 16, 16, 16, 4))
+    assert idx[0, 0, 100].tolist() == [0, 1, 5, 6]  # forced 0, 5, 6; the tie among 1..4 goes to block 1
+
+
+def test_rejects_unsupported_shapes():
+    q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        compressed_attention_fwd(q, k, k, 36, 12, 0.25)
+    with pytest.raises(ValueError, match="at most"):
+        select_topn(q, k, torch.zeros(1, 8, 2), 128, 16, 64, 2, 0.25)
