@@ -31,15 +31,11 @@ def main(argv: list[str] | None = None) -> int:
             print(config_to_toml(config), end="")
             return 0
         return Trainer(config).train()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except RunFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    except (ConfigError, TrainingDiverged, RunFailed) as e:
+        # One write of the whole line: under torchrun every rank reports, and print()'s separate write of the
+        # newline lets two ranks' lines run together in the shared log.
+        sys.stderr.write(f"error: {e}\n")
+        return 2 if isinstance(e, ConfigError) else 4 if isinstance(e, TrainingDiverged) else e.exit_code
 
 
 class TrainingDiverged(Exception):
