@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_models.nsa.triton_selected import online_softmax_update, softmax_output
+from nsa_models.nsa.triton_selected import load_rows, online_softmax_update, softmax_delta, softmax_output
 
 _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
 _ROWS = 64  # rows (query positions x padded group heads) per tile
@@ -93,22 +93,12 @@ def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constex
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
-@triton.jit
-def _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
-    """Backward inputs of query rows: q and dO [BM, BD], log-sum-exp in log2 units and delta [BM]."""
-    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    return q, do, lse, delta
-
-
 @triton.jit(do_not_specialize=["T", "NC"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
-    q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+    q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     for n0 in range(0, _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), BN):
         n = n0 + tl.arange(0, BN)
@@ -140,7 +130,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
         t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
         row_ok &= t < chunk * CHUNK + CHUNK
         qd_mask = row_ok[:, None] & d_ok[None, :]
-        q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+        q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
         visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
@@ -296,10 +286,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    delta = (o.float() * do.float()).sum(-1)  # d lse / d scores = p: an lse cotangent shifts delta
-    if dlse is not None:
-        delta = delta - dlse
-    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale)
+    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), ctx.block, ctx.stride,
+                                          ctx.scale)
     return dq, dk, dv, None, None, None
 
 

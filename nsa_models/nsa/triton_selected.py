@@ -79,8 +79,8 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl
 
 
 @triton.jit
-def _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
-    """Backward inputs of query rows: q and dO [BR, BD], log-sum-exp (in log2 units) and delta [BR]."""
+def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
+    """Backward inputs of query rows: q and dO [rows, BD], log-sum-exp (in log2 units) and delta [rows]."""
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -99,7 +99,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, DQ, T, N_SEL, qk_scale, scale, 
     row_ok, d_ok = g < G, d < D
     rows = (b * T + t) * (H * G) + h * G + g
     qd_mask = row_ok[:, None] & d_ok[None, :]
-    q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+    q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     kv_base = b * T * H * D + h * D
     idx_base = (bh * T + t) * N_SEL
     dq = tl.zeros([BG, BD], tl.float32)
@@ -141,7 +141,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QP
         t = tl.load(QPOS + qs + r_q, mask=ok, other=0)
         rows = (b * T + t) * (H * G) + h * G + r_g
         qd_mask = ok[:, None] & d_ok[None, :]
-        q, do, lse, delta = _load_rows(Q, DO, LSE, DELTA, rows, ok, qd_mask, d, D)
+        q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, ok, qd_mask, d, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BR, BS]
         visible = ok[:, None] & (pos[None, :] <= t[:, None])
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
@@ -285,12 +285,17 @@ def _setup_context(ctx, inputs, output):
     ctx.block_size, ctx.scale = block_size, scale
 
 
+def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
+    """delta = rowsum(o * do) - dlse [B, T, HQ] fp32, the backward's per-row term (d lse / d scores = p, so an lse
+    cotangent shifts it)."""
+    delta = (o.float() * do.float()).sum(-1)
+    return delta if dlse is None else delta - dlse
+
+
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, block_indices = ctx.saved_tensors
-    delta = (o.float() * do.float()).sum(-1)  # d lse / d scores = p: an lse cotangent shifts delta
-    if dlse is not None:
-        delta = delta - dlse
-    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, ctx.block_size, ctx.scale)
+    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), block_indices,
+                                        ctx.block_size, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
