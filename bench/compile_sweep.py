@@ -1,15 +1,18 @@
 """Run train.py once per cell of a grid of overrides and compare compile time, throughput, memory and loss.
 
     python bench/compile_sweep.py recipes/nsa_125m.toml --grid compile.mode=default,max-autotune \
-        --grid activation_checkpoint.mode=none,full --set data.source=synthetic --steps 20 --warmup 5
+        --grid activation_checkpoint.mode=none,full --set data.source=synthetic --steps 20 --warmup 5 \
+        --devices 0 1 2 3
     python bench/compile_sweep.py recipes/nsa_125m_fsdp2.toml --grid compile.enable=false,true \
         --launcher "NGPU=2 ./run.sh"
 
 Each cell is a fresh process (Dynamo's counters and caches are per process) with its own inductor and Triton
 cache under OUT, so no cell compiles faster because an earlier one warmed a cache (--keep-inductor-cache shares
-one). Results come from the cell's tensorboard events; a failing or timed-out cell is recorded, never fatal.
-Writes OUT/sweep.md, OUT/sweep.csv, OUT/<cell>/output.log, and the cell's overrides and results as tensorboard
-hparams into OUT/<cell>/tb: `tensorboard --logdir OUT` compares the cells in its HParams tab.
+one). With --devices, cells run concurrently, one per GPU set. Results come from the cell's tensorboard events;
+a failing or timed-out cell is recorded, never fatal. Writes OUT/sweep.md and OUT/sweep.csv (rewritten as each
+cell ends, so an interrupted sweep keeps what it measured), OUT/<cell>/output.log, and the cell's overrides and
+results as tensorboard hparams into OUT/<cell>/tb: `tensorboard --logdir OUT` compares the cells in its HParams
+tab.
 
 Columns: compile_s = step 1's time minus the median steady step time (what compiling added to step 1);
 to_step1_s = wall time from launch to the end of step 1 (imports, data, model build and compile); tokens_per_s
@@ -28,9 +31,12 @@ import re
 import shlex
 import signal
 import statistics
+import queue
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,9 +201,12 @@ def save_table(out: Path, stem: str, header: str, rows: list[dict], columns: lis
 
 
 def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, steps: int, warmup: int, out: Path,
-          launcher: str = "", cell_timeout: float | None = None, keep_inductor_cache: bool = False) -> list[dict]:
+          launcher: str = "", cell_timeout: float | None = None, keep_inductor_cache: bool = False,
+          devices: list[str] | None = None) -> list[dict]:
     """Run every cell of the cartesian product of `axes` (each axis a list of override sets) and return one row
-    per cell (its overrides and COLUMNS); also writes OUT/sweep.md, OUT/sweep.csv and the hparams events."""
+    per cell (its overrides and COLUMNS); also writes OUT/sweep.md, OUT/sweep.csv and the hparams events.
+    With `devices` (CUDA_VISIBLE_DEVICES values, e.g. ["0", "1"] or ["0,1", "2,3"]), cells run concurrently, one
+    per device set."""
     if not 0 <= warmup < steps:
         raise ConfigError(f"--warmup {warmup}: must be >= 0 and < --steps ({steps}) so that steady steps remain")
     out = out.resolve()
@@ -215,36 +224,54 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
              # eval time would land in the next step's time; checkpoints and the export cost disk, not speed
              "training.eval_interval": "0", "checkpoint.enable": "false", "checkpoint.export_weights": "false"}
 
-    rows, start = [], time.perf_counter()
-    for i, cell in enumerate(cells):
+    header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
+              f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
+              "compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
+    columns = ["cell", *domains, *COLUMNS]
+    slots: queue.Queue = queue.Queue()
+    for device in devices or [None]:
+        slots.put(device)
+    start, done, lock = time.perf_counter(), {}, threading.Lock()
+
+    def run(i: int, cell: Overrides) -> dict:
+        device = slots.get()  # a free GPU set (None: whatever the cell sees)
         name = cell_name(cell)
         run_dir = out / name
         run_dir.mkdir(parents=True)
-        elapsed = time.perf_counter() - start
-        eta = _minutes(elapsed / i * (len(cells) - i)) if i else "?"
-        label = " ".join(f"{k}={v}" for k, v in cell.items()) or "baseline"
-        print(f"[{i + 1}/{len(cells)}] {label}  elapsed {_minutes(elapsed)}  eta {eta}", flush=True)
+        with lock:
+            elapsed = time.perf_counter() - start
+            eta = _minutes(elapsed / len(done) * (len(cells) - len(done))) if done else "?"
+            label = " ".join(f"{k}={v}" for k, v in cell.items()) or "baseline"
+            where = f"  CUDA_VISIBLE_DEVICES={device}" if device is not None else ""
+            print(f"[{i + 1}/{len(cells)}] {label}  elapsed {_minutes(elapsed)}  eta {eta}{where}", flush=True)
 
         cache = shared_cache if keep_inductor_cache else str(out / "inductor_cache" / name)
         torch_logs = ",".join(filter(None, [os.environ.get("TORCH_LOGS"), "recompiles"]))
         env = {**os.environ, **launch_env, "TORCHINDUCTOR_CACHE_DIR": cache,
                "TRITON_CACHE_DIR": str(Path(cache) / "triton_user"), "TORCH_LOGS": torch_logs,
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": device} if device is not None else {})}
         args = {**overrides, **cell, **fixed, "job.run_dir": str(run_dir)}
         command = [*launch_command, str(Path(recipe).resolve()), *(f"--{k}={v}" for k, v in args.items())]
-        row = {"cell": name, **cell, **measure_cell(command, env, run_dir, warmup, cell_timeout)}
-        if row["status"] != "ok":
-            print(f"    {row['status']} (exit {row['exit_code']}): {row['error']}", flush=True)
-        else:
-            shown = ("tokens_per_s", "compile_s", "final_loss")
-            print("    ok  " + "  ".join(f"{k} {_show(row.get(k, ''))}" for k in shown), flush=True)
+        try:
+            row = {"cell": name, **cell, **measure_cell(command, env, run_dir, warmup, cell_timeout)}
+        finally:
+            slots.put(device)
+        with lock:
+            if row["status"] != "ok":
+                print(f"    [{i + 1}] {row['status']} (exit {row['exit_code']}): {row['error']}", flush=True)
+            else:
+                shown = ("tokens_per_s", "compile_s", "final_loss")
+                print(f"    [{i + 1}] ok  " + "  ".join(f"{k} {_show(row.get(k, ''))}" for k in shown), flush=True)
+            done[i] = row
+            # The table so far, so that an interrupted sweep keeps the cells it finished.
+            save_table(out, "sweep", header, [done[j] for j in sorted(done)], columns)
         write_hparams(run_dir / "tb", cell, row, domains)
-        rows.append(row)
+        return row
 
-    header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
-              f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
-              "compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
-    table = save_table(out, "sweep", header, rows, ["cell", *domains, *COLUMNS])
+    # One cell per free device at a time; rows come back in grid order.
+    with ThreadPoolExecutor(max_workers=len(devices or [None])) as pool:
+        rows = list(pool.map(run, range(len(cells)), cells))
+    table = save_table(out, "sweep", header, rows, columns)
     print("\n" + table + f"\nsaved {out / 'sweep.md'} and {out / 'sweep.csv'}; tensorboard --logdir {out}",
           flush=True)
     return rows
@@ -262,6 +289,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-inductor-cache", action="store_true",
                         help="one inductor cache for all cells ($TORCHINDUCTOR_CACHE_DIR, else OUT/inductor_cache) "
                              "instead of a fresh one per cell: later cells then compile from a warm cache")
+    parser.add_argument("--devices", nargs="+", default=None, metavar="CUDA_VISIBLE_DEVICES",
+                        help="run cells concurrently, one per device set (e.g. --devices 0 1 2 3, or 0,1 2,3 for "
+                             "2-GPU cells); cells share the host's CPUs, so compare throughput within one setting")
     parser.add_argument("--launcher", default="",
                         help='command that runs train.py, env assignments first (e.g. "NGPU=2 ./run.sh"); '
                              "default: this Python on train.py")
@@ -272,7 +302,8 @@ def sweep_from_args(args: argparse.Namespace, recipe: str, axes: list[list[Overr
     args.out = args.out or REPO / "runs" / "sweeps" / f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = dict(parse_override(text, "--set") for text in args.set)
     return sweep(recipe, axes, overrides=overrides, steps=args.steps, warmup=args.warmup, out=args.out,
-                 launcher=args.launcher, cell_timeout=args.cell_timeout, keep_inductor_cache=args.keep_inductor_cache)
+                 launcher=args.launcher, cell_timeout=args.cell_timeout, keep_inductor_cache=args.keep_inductor_cache,
+                 devices=args.devices)
 
 
 def main(argv: list[str] | None = None) -> int:

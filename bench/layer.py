@@ -34,8 +34,9 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,
-               query_chunk: int, profile: bool = False, backend: str = "reference") -> tuple[float, float]:
-    """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [1, T, dim] input."""
+               query_chunk: int, profile: bool = False, backend: str = "reference",
+               batch: int = 1) -> tuple[float, float]:
+    """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [batch, T, dim] input."""
     args = get_flavor(flavor)
     args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
                                nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk, backend=backend))
@@ -44,7 +45,7 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
     block.init_weights(args.init_std, args.n_layers)
     rope = rope_cache(T, args.head_dim, args.rope_theta, device)
     fn = torch.compile(block, fullgraph=True, dynamic=False) if compile else block
-    x = torch.randn(1, T, args.dim, device=device, requires_grad=True)
+    x = torch.randn(batch, T, args.dim, device=device, requires_grad=True)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--flavors", nargs="+", default=["nsa-125m", "dense-125m"])
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192])
+    parser.add_argument("--batch", type=int, default=1, help="sequences per input")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--query-chunk", type=int, default=512, help="reference backend's query chunk")
     parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
@@ -85,14 +87,14 @@ def main() -> None:
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# one block, B=1, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}, "
+    print(f"# one block, B={opts.batch}, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} CPU threads, compile={opts.compile}, nsa backend={opts.backend}")
     print("| flavor | T | fwd+bwd ms | peak GiB |")
     print("|---|---|---|---|")
     for flavor in opts.flavors:
         for T in opts.seq_lens:
             ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk,
-                                 opts.profile, opts.backend)
+                                 opts.profile, opts.backend, opts.batch)
             print(f"| {flavor} | {T} | {ms:.1f} | {gib:.2f} |", flush=True)
 
 

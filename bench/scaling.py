@@ -73,6 +73,8 @@ def scaling(args: argparse.Namespace) -> list[dict]:
         raise ConfigError(f"--gpus {' '.join(map(str, args.gpus))} --grad-accum {args.grad_accum}: must be >= 1")
     if args.launcher:
         raise ConfigError("--launcher: scaling.py launches torchrun itself; choose its interpreter with --python")
+    if args.devices:
+        raise ConfigError("--devices: each scaling cell uses the first N GPUs; set CUDA_VISIBLE_DEVICES instead")
     overrides = dict(parse_override(text, "--set") for text in args.set)
     per_rank = tokens_per_rank(args.recipe, overrides, args.grad_accum)
     out = (args.out or REPO / "runs" / "scaling" / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nsa_models.args import ModelArgs, NSAArgs
-from nsa_models.nsa import nsa_attention
+from nsa_models.nsa import nsa_attention, window_mask
 from nsa_models.nsa.reference import num_cmp_blocks
 
 
@@ -78,8 +78,9 @@ class DenseAttention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor)."""
+    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor).
+        window_mask (NSA's) is not used."""
         B, T, _ = x.shape
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)
@@ -144,8 +145,8 @@ class NSAAttention(DenseAttention):
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
 
-    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`)."""
+    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`); window_mask: `nsa.window_mask`."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
@@ -155,7 +156,7 @@ class NSAAttention(DenseAttention):
         k_cmp, v_cmp = self.compress_k(k[cmp]), self.compress_v(v[cmp])
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
         out, block_indices, cmp_entropy = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
-                                                        self.nsa)
+                                                        self.nsa, window_mask=window_mask)
         return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa)
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -195,10 +196,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and the attention's telemetry, returned rather than stored: a side effect inside an
         activation-checkpointed compiled block fails in Dynamo."""
-        out, stats = self.attention(self.attention_norm(x), rope)
+        out, stats = self.attention(self.attention_norm(x), rope, window_mask)
         h = x + out
         return h + self.feed_forward(self.ffn_norm(h)), stats
 
@@ -242,9 +243,11 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`."""
         h = self.tok_embeddings(tokens)
+        # Built here, outside the (possibly checkpointed) blocks, and shared by all of them.
+        mask = window_mask(tokens.shape[1], self.args.nsa, tokens.device) if self.args.attention == "nsa" else None
         layer_stats = []
         for block in self.layers.values():
-            h, stats = block(h, self.rope)
+            h, stats = block(h, self.rope, mask)
             layer_stats.append(stats)
         self.nsa_stats = torch.stack(layer_stats)
         return self.output(self.norm(h))

@@ -72,9 +72,15 @@ def test_grid_sweep_one_row_per_cell(tmp_path):
 
 
 def test_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """Also with two device slots: both cells start at once and the rows keep the grid's order."""
     out = tmp_path / "sweep"
     result = run_bench("compile_sweep.py", "recipes/debug.toml", "--grid", "model.nsa.window_size=0,48", "--out",
-                       str(out), *TINY)
+                       str(out), "--devices", "7", "8", *TINY)
+    lines = result.stdout.splitlines()
+    started = [i for i, line in enumerate(lines) if line.startswith(("[1/2]", "[2/2]"))]
+    finished = [i for i, line in enumerate(lines) if line.startswith(("    [1]", "    [2]"))]
+    assert len(started) == len(finished) == 2 and max(started) < min(finished), result.stdout
+    assert {line.rsplit("=", 1)[1] for line in lines if line.startswith("[")} == {"7", "8"}
     bad, good = read_csv(out)
     assert bad["status"] == "failed" and bad["exit_code"] == "2"
     assert bad["error"] == "error: model.nsa.window_size must be >= 1"

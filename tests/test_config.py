@@ -105,8 +105,6 @@ BAD_INPUT = [
     (None, ["--model.nsa.cmp_stride", "5"], "model.nsa.cmp_stride must divide model.nsa.cmp_block_size"),
     (None, ["--parallelism.dp_replicate", "2"],
      "parallelism.dp_replicate = 2 needs parallelism.data_parallel = 'hsdp' (it is 'fsdp')"),
-    (None, ["--model.nsa.backend", "triton", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
-     "model.nsa.window_backend = 'flex' cannot run inside activation-checkpointed compiled blocks"),
     (None, ["--float8.enable", "true", "--training.device", "cpu"],
      "float8.enable = true needs a GPU of SM89 or newer: set training.device = 'cuda' or float8.enable = false"),
     (None, ["--model.flavor", "nsa-7b"],

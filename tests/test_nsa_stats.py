@@ -66,8 +66,8 @@ def test_stats_match_brute_force(monkeypatch):
 
     calls = []
 
-    def recording(*args):
-        result = nsa_models.nsa.nsa_attention(*args)
+    def recording(*args, **kwargs):
+        result = nsa_models.nsa.nsa_attention(*args, **kwargs)
         calls.append((args, result))
         return result
 

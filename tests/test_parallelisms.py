@@ -149,6 +149,52 @@ def test_compile_matches_eager_without_graph_breaks(scope, single_process_histor
     assert_histories_close(history, single_process_history[:3], rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, scope", [("full", "block"), ("selective_op", "block"), ("full", "model")])
+def test_flex_window_in_checkpointed_compiled_model(mode, scope):
+    """The triton backend's FlexAttention window inside checkpointed compiled blocks (its block mask is built once
+    per forward, outside them): no graph break, no recompile on later steps, the eager model's loss and grads."""
+    args = get_flavor("debug")
+    args.nsa.backend, args.nsa.window_backend = "triton", "flex"
+    tokens = torch.randint(0, args.vocab_size, (2, 257), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+
+    def build() -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(args).cuda()
+        model.init_weights()
+        return model
+
+    def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        # Names as the plain model's: the checkpoint wrapper's and torch.compile's prefixes removed.
+        return loss.detach(), {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""):
+                               p.grad.clone() for name, p in model.named_parameters()}
+
+    want_loss, want_grads = loss_and_grads(build())
+    model = build()
+    apply_ac(model, ActivationCheckpointConfig(mode=mode))
+    apply_compile(model, CompileConfig(enable=True, scope=scope, fullgraph=True))
+    before = compile_counters()
+    loss, grads = loss_and_grads(model)
+    loss_and_grads(model)
+    compiled = compile_counters()  # read after step 2, as the trainer does
+    for _ in range(2):
+        loss_and_grads(model)
+    after = compile_counters()
+    assert after["graph_breaks"] == before["graph_breaks"], (before, after)
+    assert after["graphs_compiled"] == compiled["graphs_compiled"], (compiled, after)  # no recompile
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=0)
+    assert grads.keys() == want_grads.keys()
+    # All gradients as one vector, as test_triton_gpu's compile test: compiled rounding may flip a near-tied
+    # selection for a few queries, which moves a few small gradients (e.g. the compressed keys' bias, zero in
+    # exact arithmetic) by much more than rounding.
+    got, want = (torch.cat([g[name].flatten() for name in want_grads]) for g in (grads, want_grads))
+    assert ((got - want).norm() / want.norm()).item() <= 1e-2
+
+
 # --- float8 ----------------------------------------------------------------------------------------------------
 
 def float8_candidate() -> Transformer:
@@ -175,6 +221,11 @@ def test_float8_converts_large_linears_only(min_features, kinds):
     model = float8_candidate()
     apply_float8(model, Float8Config(enable=True, min_features=min_features))
     assert float8_linears(model) == {f"layers.{i}.{kind}" for i in range(model.args.n_layers) for kind in kinds}
+
+
+def test_float8_that_converts_nothing_is_an_error():
+    with pytest.raises(ConfigError, match="float8.min_features = 100000: no linear layer"):
+        apply_float8(float8_candidate(), Float8Config(enable=True, min_features=100000))
 
 
 def test_float8_rowwise_recipe():

@@ -77,7 +77,8 @@ def test_per_rank_tokens_and_argument_errors(capsys):
         tokens_per_rank("recipes/debug.toml", {"training.micro_batch_size": "two"}, 1)
     for args, message in ((["--gpus", "1", "1"], "error: --gpus 1 1: repeated value; list each once"),
                           (["--gpus", "0"], "error: --gpus 0 --grad-accum 1: must be >= 1"),
-                          (["--launcher", "x"], "error: --launcher: scaling.py launches torchrun itself")):
+                          (["--launcher", "x"], "error: --launcher: scaling.py launches torchrun itself"),
+                          (["--devices", "0"], "error: --devices: each scaling cell uses the first N GPUs")):
         with pytest.raises(SystemExit) as stopped:
             main(["recipes/debug.toml", *args])
         assert stopped.value.code == 2

@@ -364,15 +364,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"parallelism.dp_replicate = {config.parallelism.dp_replicate} needs "
                           f"parallelism.data_parallel = 'hsdp' (it is {config.parallelism.data_parallel!r}); "
                           "set it or use dp_replicate = 1")
-    nsa = config.model.nsa
-    if (config.model.attention == "nsa" and nsa.backend == "triton" and nsa.window_backend == "flex"
-            and config.compile.enable and config.activation_checkpoint.mode != "none"):
-        # Measured on torch 2.11: building the FlexAttention block mask inside a checkpointed, compiled block
-        # fails in Dynamo ("HOP: unsafe side effect"); masked SDPA traces cleanly there.
-        raise ConfigError("model.nsa.window_backend = 'flex' cannot run inside activation-checkpointed compiled "
-                          "blocks (activation_checkpoint.mode = "
-                          f"{config.activation_checkpoint.mode!r}, compile.enable = true): set "
-                          "model.nsa.window_backend = 'sdpa', or activation_checkpoint.mode = 'none'")
     if config.float8.enable and t.device == "cpu":
         raise ConfigError("float8.enable = true needs a GPU of SM89 or newer: set training.device = 'cuda' "
                           "or float8.enable = false")

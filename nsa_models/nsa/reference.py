@@ -139,10 +139,10 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
 
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
-                  v_cmp: Tensor, gates: Tensor, args: NSAArgs,
-                  block_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
+                  window_mask=None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
-    entropy [B, T, HQ])."""
+    entropy [B, T, HQ]). window_mask is not used: this backend masks the window itself."""
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
     G = HQ // H

@@ -45,8 +45,16 @@ def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: boo
 _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs) -> Tensor:
-    """Sliding-window attention over keys t-w+1 .. t; [B, T, HQ, D]."""
+def window_block_mask(seq_len: int, window: int, device: torch.device):
+    """The window's FlexAttention BlockMask: cached in eager code, traced (no caches) inside torch.compile."""
+    if torch.compiler.is_compiling():
+        return _window_block_mask(seq_len, window, str(device), compile_mask=False)
+    return _cached_window_block_mask(seq_len, window, str(device))
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask=None) -> Tensor:
+    """Sliding-window attention over keys t-w+1 .. t; [B, T, HQ, D]. block_mask: the FlexAttention window mask
+    (`window_block_mask`), built here when None."""
     T, w = q.shape[1], args.window_size
     if args.window_backend == "flash_attn":
         try:
@@ -57,13 +65,12 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs) -> Tensor:
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0))
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
-        if torch.compiler.is_compiling():  # inside torch.compile: traced into the caller's graph, no caches
+        block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
+        if torch.compiler.is_compiling():  # traced into the caller's graph
             from torch.nn.attention.flex_attention import flex_attention
 
-            block_mask = _window_block_mask(T, w, str(q.device), compile_mask=False)
             out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         else:
-            block_mask = _cached_window_block_mask(T, w, str(q.device))
             out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
     else:
         t = torch.arange(T, device=q.device)
@@ -73,8 +80,8 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs) -> Tensor:
 
 
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
-               v_cmp: Tensor, gates: Tensor, args: NSAArgs,
-               block_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
+               window_mask=None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed-
     attention entropy [B, T, HQ] fp32, detached)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -86,7 +93,7 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
                                   args.sel_block_size, args.n_selected, scale)
     block_indices = chosen if block_indices is None else block_indices
     o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale)
-    o_win = window_attention(q, k_win, v_win, args)
+    o_win = window_attention(q, k_win, v_win, args, window_mask)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy

@@ -26,10 +26,12 @@ _ROWS_BWD = 64  # rows (queries x heads) per tile in the dK/dV kernel
 
 @triton.jit
 def _load_block(K, V, kv_base, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-    """Positions [BS] and keys/values [BS, BD] of selection block `blk` of one (batch, KV head)."""
+    """Positions [BS] and keys/values [BS, BD] of selection block `blk` of one (batch, KV head); block -1
+    (padding) gives negative positions and zeros. No branch on `blk`: the loop stays a straight line, which the
+    pipeliner can prefetch through."""
     pos = blk * BS + u
     kv_ptr = kv_base + pos[:, None] * (H * D) + d[None, :]
-    kv_mask = (pos < T)[:, None] & d_ok[None, :]
+    kv_mask = ((pos >= 0) & (pos < T))[:, None] & d_ok[None, :]
     return pos, tl.load(K + kv_ptr, mask=kv_mask, other=0.0), tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
 
 
@@ -67,12 +69,10 @@ def _fwd_kernel(Q, K, V, IDX, O, LSE, T, N_SEL, qk_scale, H: tl.constexpr, G: tl
     l = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BD], tl.float32)
     for i in range(N_SEL):
-        blk = tl.load(IDX + idx_base + i)
-        if blk >= 0:
-            pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-            s = tl.where((pos <= t)[None, :], s, float("-inf"))
-            m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
+        pos, k, v = _load_block(K, V, kv_base, tl.load(IDX + idx_base + i), u, d, d_ok, T, H, D, BS)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+        s = tl.where(((pos >= 0) & (pos <= t))[None, :], s, float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
     o, lse = softmax_output(m, l, acc)
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + rows, lse, mask=row_ok)
@@ -104,14 +104,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, DQ, T, N_SEL, qk_scale, scale, 
     idx_base = (bh * T + t) * N_SEL
     dq = tl.zeros([BG, BD], tl.float32)
     for i in range(N_SEL):
-        blk = tl.load(IDX + idx_base + i)
-        if blk >= 0:
-            pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            p = tl.where((pos <= t)[None, :], tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        pos, k, v = _load_block(K, V, kv_base, tl.load(IDX + idx_base + i), u, d, d_ok, T, H, D, BS)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.where(((pos >= 0) & (pos <= t))[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
