@@ -10,7 +10,8 @@ Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+bac
 - dense causal baselines: SDPA flash and cuDNN (K/V expanded to HQ heads), compiled FlexAttention (GQA);
 - fla's `parallel_nsa` (package fla-core, when installed; G >= 16 only): compression + selection at
   l = l' = d = 64 with mean pooling, alone and plus the FlexAttention window (the spec's comparison).
-Ratios after each length; with --groups, the whole core at G = 1, 4, 16 (HQ = 64) and its model-FLOP rate.
+Ratios after each length; with --groups, the whole core at G = 1, 4, 16 (HQ = 64) and its model-FLOP rate;
+with --profile, where one fwd+bwd of the whole core spends its GPU time, per kernel (torch.profiler).
 `oom` marks a row that ran out of memory.
 """
 
@@ -125,6 +126,24 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     return rows
 
 
+def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
+    """Markdown: the GPU kernels of one fn() forward + backward (after a warm-up), by their time: ms, share, calls."""
+    cotangent = torch.randn_like(fn())
+    fn().backward(cotangent)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn().backward(cotangent)
+        torch.cuda.synchronize()
+    for x in grad_inputs:
+        x.grad = None
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    lines = ["| kernel | ms | share | calls |", "|---|---|---|---|"]
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        lines.append(f"| {e.key[:70]} | {e.self_device_time_total / 1e3:.2f} | "
+                     f"{e.self_device_time_total / total:.0%} | {e.count} |")
+    return "\n".join(lines) + f"\n(total {total / 1e3:.2f} ms of GPU time)\n"
+
+
 def ratio(a: float | str, b: float | str) -> str:
     return f"{a / b:.3f}" if isinstance(a, float) and isinstance(b, float) else "n/a"
 
@@ -145,6 +164,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
+    parser.add_argument("--profile", action="store_true",
+                        help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench/attention.py needs a CUDA GPU")
@@ -166,6 +187,11 @@ def main() -> None:
         print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name['SDPA cuDNN (dense)'])}; "
               f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
               f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
+        if args.profile:
+            inputs = nsa_inputs(args.batch, T, HQ, H, D)
+            print(f"\nwhere one fwd+bwd of the NSA core spends its time, T={T}:\n"
+                  f"{kernel_times(lambda: run_nsa(*inputs), inputs)}", flush=True)
+            del inputs
     if args.groups:
         T = 32768
         print(f"\n| G (HQ={HQ}, T={T}) | NSA fwd | NSA fwd+bwd | model TFLOP/s |\n|---|---|---|---|")

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
@@ -78,7 +79,7 @@ class DenseAttention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor).
         window_mask (NSA's) is not used."""
         B, T, _ = x.shape
@@ -145,7 +146,7 @@ class NSAAttention(DenseAttention):
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`); window_mask: `nsa.window_mask`."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
@@ -196,7 +197,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask=None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and the attention's telemetry, returned rather than stored: a side effect inside an
         activation-checkpointed compiled block fails in Dynamo."""
         out, stats = self.attention(self.attention_norm(x), rope, window_mask)

@@ -130,3 +130,28 @@ def test_flops_per_token():
     assert got["cmp"] == pytest.approx(brute_cmp)
     assert got["win"] == pytest.approx(sum(min(t + 1, 5) for t in range(T)) / T)
     assert got["slc"] == pytest.approx(brute_slc)
+
+
+def test_window_mask_is_built_once_per_forward_and_shared_by_every_layer(monkeypatch):
+    """The FlexAttention window mask is made in Transformer.forward, outside the (possibly checkpointed, compiled)
+    blocks, and every layer's attention receives that one object."""
+    import nsa_models.model
+
+    built, received = [], []
+    sentinel = object()
+
+    def fake_window_mask(seq_len, args, device):
+        built.append((seq_len, args.window_size, device.type))
+        return sentinel
+
+    def recording(*args, window_mask=None, **kwargs):
+        received.append(window_mask)
+        return nsa_models.nsa.nsa_attention(*args, **kwargs)
+
+    monkeypatch.setattr(nsa_models.model, "window_mask", fake_window_mask)
+    monkeypatch.setattr(nsa_models.model, "nsa_attention", recording)
+    model = build()
+    args = model.args
+    model(torch.randint(0, args.vocab_size, (2, 40)))
+    assert built == [(40, args.nsa.window_size, "cpu")]
+    assert len(received) == args.n_layers and all(mask is sentinel for mask in received)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.reference import nsa_reference
@@ -19,7 +20,7 @@ except ImportError:
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask=None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
     [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
     sees no compressed block (telemetry: `nsa_models.model.nsa_stats`).
@@ -36,7 +37,7 @@ def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
                                   window_mask)
 
 
-def window_mask(seq_len: int, args: NSAArgs, device: torch.device):
+def window_mask(seq_len: int, args: NSAArgs, device: torch.device) -> BlockMask | None:
     """The FlexAttention BlockMask of the window when the triton backend runs it through FlexAttention on a GPU,
     else None. Build it once per forward outside activation-checkpointed regions (building it inside a
     checkpointed compiled block fails in Dynamo: "HOP: unsafe side effect") and pass it to every layer."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import NSAArgs
 
@@ -140,7 +141,7 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask=None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
     entropy [B, T, HQ]). window_mask is not used: this backend masks the window itself."""
     B, T, HQ, D = q.shape

@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
@@ -28,14 +29,11 @@ from nsa_models.nsa.triton_selected import selected_attention
 @functools.cache
 def _compiled_flex():
     """flex_attention is only fused (and memory-lean) when compiled; compile it once, on first use."""
-    from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True):
+def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True) -> BlockMask:
     """FlexAttention block mask of keys t-w+1 .. t (built by a compiled kernel outside torch.compile)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def sliding_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
@@ -45,14 +43,15 @@ def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: boo
 _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
-def window_block_mask(seq_len: int, window: int, device: torch.device):
+def window_block_mask(seq_len: int, window: int, device: torch.device) -> BlockMask:
     """The window's FlexAttention BlockMask: cached in eager code, traced (no caches) inside torch.compile."""
     if torch.compiler.is_compiling():
         return _window_block_mask(seq_len, window, str(device), compile_mask=False)
     return _cached_window_block_mask(seq_len, window, str(device))
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask=None) -> Tensor:
+def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
+                     block_mask: BlockMask | None = None) -> Tensor:
     """Sliding-window attention over keys t-w+1 .. t; [B, T, HQ, D]. block_mask: the FlexAttention window mask
     (`window_block_mask`), built here when None."""
     T, w = q.shape[1], args.window_size
@@ -67,8 +66,6 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask=
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
         if torch.compiler.is_compiling():  # traced into the caller's graph
-            from torch.nn.attention.flex_attention import flex_attention
-
             out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         else:
             out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -81,7 +78,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask=
 
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-               window_mask=None) -> tuple[Tensor, Tensor, Tensor]:
+               window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed-
     attention entropy [B, T, HQ] fp32, detached)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
