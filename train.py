@@ -108,24 +108,13 @@ class Trainer:
         self.stop_signum = 0  # a signal received by any rank, as agreed by all ranks (see _agree)
         resume = self.checkpointer.resume_path()
         if resume is not None:
-            self.step = self._load_checkpoint(resume)
+            self.step = self.checkpointer.load(resume, self.states)
             self._print(f"resumed from {resume} at step {self.step}")
 
         from training.metrics import MetricLogger
 
         self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=cfg.steps,
                                     config_text=config_to_toml(config))
-
-    def _load_checkpoint(self, path: Path) -> int:
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            return self.checkpointer.load(path, self.states)
-        except CheckpointException as e:  # DCP's planner: a missing key or a shape mismatch, as a long traceback
-            key = "checkpoint.load_path" if self.config.checkpoint.load_path else "checkpoint.resume"
-            cause = " ".join(str(next(iter(e.failures.values()))[0]).split())
-            raise ConfigError(f"{key}: {path} does not fit this model ({cause}); load a checkpoint saved with the "
-                              "same model.* settings, or start a new job.run_dir") from None
 
     def _pick_device(self, choice: str):
         import torch

@@ -128,8 +128,9 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
 
 def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
     """Markdown: the GPU kernels of one fn() forward + backward (after a warm-up), by their time: ms, share, calls."""
-    cotangent = torch.randn_like(fn())
-    fn().backward(cotangent)
+    out = fn()  # the warm-up, and the cotangent's shape
+    cotangent = torch.randn_like(out)
+    out.backward(cotangent)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn().backward(cotangent)
         torch.cuda.synchronize()

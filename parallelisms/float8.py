@@ -24,11 +24,11 @@ def apply_float8(model: nn.Module, cfg: Float8Config) -> None:
     # Imported here: torchao is only needed (and, on some machines, only installed) for float8 runs.
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    if not any(_is_float8_worthy(module, fqn, cfg.min_features) for fqn, module in model.named_modules()):
+    worthy = {fqn for fqn, module in model.named_modules() if _is_float8_worthy(module, fqn, cfg.min_features)}
+    if not worthy:
         # Converting nothing would train in bf16 while the recipe says float8: say so instead.
         raise ConfigError(f"float8.min_features = {cfg.min_features}: no linear layer has both dimensions >= it, so "
                           "float8 would change nothing; lower float8.min_features (e.g. to model.dim) or set "
                           "float8.enable = false")
     config = Float8LinearConfig.from_recipe_name(cfg.recipe)
-    convert_to_float8_training(model, config=config,
-                               module_filter_fn=lambda module, fqn: _is_float8_worthy(module, fqn, cfg.min_features))
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in worthy)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -172,21 +173,34 @@ class CheckpointManager:
 
     def load(self, path: Path, states: dict[str, Stateful]) -> int:
         """Load `states` in place from the checkpoint at `path`; returns the step it was saved at."""
+        try:
+            return self._load(path, states)
+        except CheckpointException as e:  # DCP's planner: a missing key or a shape mismatch, as a long traceback
+            raise self._does_not_fit(path, " ".join(str(next(iter(e.failures.values()))[0]).split())) from None
+
+    def _load(self, path: Path, states: dict[str, Stateful]) -> int:
         meta = {"step": -1, "world_size": -1}
         dcp.load({_META_KEY: meta}, checkpoint_id=path)
         world_size = dist.get_world_size()
         if meta["world_size"] != world_size and any(isinstance(s, RankLocalState) for s in states.values()):
-            key = "checkpoint.load_path" if self.cfg.load_path else "checkpoint.resume"
             raise ConfigError(
-                f"{key}: {path} was saved by {meta['world_size']} ranks but this run has {world_size}, so the "
-                f"per-rank state (data position, RNG) has no exact counterpart; run with {meta['world_size']} "
-                "processes or start a new run_dir"
+                f"{self._source_key()}: {path} was saved by {meta['world_size']} ranks but this run has "
+                f"{world_size}, so the per-rank state (data position, RNG) has no exact counterpart; run with "
+                f"{meta['world_size']} processes or start a new run_dir"
             )
         if "model" in states:
             self._check_model_keys(path, states["model"])
         dcp.load(dict(states), checkpoint_id=path)
         self._last_step = meta["step"]
         return meta["step"]
+
+    def _source_key(self) -> str:
+        """The config key that chose the checkpoint being loaded."""
+        return "checkpoint.load_path" if self.cfg.load_path else "checkpoint.resume"
+
+    def _does_not_fit(self, path: Path, cause: str) -> ConfigError:
+        return ConfigError(f"{self._source_key()}: {path} does not fit this model ({cause}); load a checkpoint saved "
+                           "with the same model.* settings, or start a new job.run_dir")
 
     def _check_model_keys(self, path: Path, model_state: Stateful) -> None:
         """DCP loads the keys the target asks for and ignores the rest: a checkpoint of a larger model would
@@ -195,11 +209,8 @@ class CheckpointManager:
                  dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if key.startswith("model.")}
         wanted = set(model_state.state_dict())
         if saved != wanted:
-            key = "checkpoint.load_path" if self.cfg.load_path else "checkpoint.resume"
             extra, missing = sorted(saved - wanted), sorted(wanted - saved)
-            raise ConfigError(f"{key}: {path} does not fit this model (only in the checkpoint: {extra[:3]}, only "
-                              f"in the model: {missing[:3]}); load a checkpoint saved with the same model.* "
-                              "settings, or start a new job.run_dir")
+            raise self._does_not_fit(path, f"only in the checkpoint: {extra[:3]}, only in the model: {missing[:3]}")
 
     def export_weights(self, model: nn.Module, path: str | Path) -> None:
         """Write the full (unsharded) model state dict as one `torch.save` file, atomically, on rank 0."""

@@ -155,13 +155,13 @@ class ReportFailures:
                  memory: MemorySnapshots | None) -> None:
         self.rank, self.memory = rank, memory
         self.timeouts = {"debug.init_timeout_s": init_timeout_s, "debug.collective_timeout_s": collective_timeout_s}
-        self._last_step, self._beats = start_step, 0
+        self._start_step = self._last_step = start_step
 
     def __enter__(self) -> ReportFailures:
         return self
 
     def beat(self, step: int) -> None:
-        self._last_step, self._beats = step, self._beats + 1
+        self._last_step = step
 
     def __exit__(self, exc_type, error, traceback) -> None:
         import torch
@@ -176,7 +176,7 @@ class ReportFailures:
                 snapshot = "rerun with --debug.memory_snapshot true for an allocator snapshot"
             raise RunFailed(f"{where}: out of memory ({cause}); {snapshot}; {advice}", OOM_EXIT_CODE) from None
         if error is not None and is_collective_failure(error):
-            key = "debug.collective_timeout_s" if self._beats else "debug.init_timeout_s"
+            key = "debug.collective_timeout_s" if self._last_step > self._start_step else "debug.init_timeout_s"
             raise RunFailed(f"{where}: a collective failed ({cause}): another rank died, or stalled longer than "
                             f"{key} = {self.timeouts[key]:g} s; its own output says why; rerun to resume from the "
                             "latest checkpoint", COLLECTIVE_EXIT_CODE) from None
