@@ -11,7 +11,8 @@ Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+bac
 - fla's `parallel_nsa` (package fla-core, when installed; G >= 16 only): compression + selection at
   l = l' = d = 64 with mean pooling, alone and plus the FlexAttention window (the spec's comparison).
 Ratios after each length; with --groups, the whole core at G = 1, 4, 16 (HQ = 64) and its model-FLOP rate;
-with --profile, where one fwd+bwd of the whole core spends its GPU time, per kernel (torch.profiler).
+with --profile, where one fwd+bwd of the whole core spends its GPU time, per kernel (torch.profiler), and the
+compiler's resource report of each Triton kernel variant launched (registers per thread, spills, shared memory).
 `oom` marks a row that ran out of memory.
 """
 
@@ -28,11 +29,13 @@ import triton
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
 from nsa_models.flops import mean_keys_per_query  # noqa: E402
 from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
+from nsa_models.nsa import triton_compressed, triton_selected  # noqa: E402
 from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
@@ -145,6 +148,23 @@ def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
     return "\n".join(lines) + f"\n(total {total / 1e3:.2f} ms of GPU time)\n"
 
 
+def kernel_resources() -> str:
+    """Markdown: per compiled variant of the backend's Triton kernels launched so far, its warps, pipeline stages,
+    registers per thread, spilled registers and shared memory (the compiler's metadata)."""
+    lines = ["| Triton kernel | warps | stages | registers | spills | shared KiB |", "|---|---|---|---|---|---|"]
+    for module in (triton_compressed, triton_selected):
+        for name, fn in vars(module).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():  # the compiled variants of this kernel
+                    meta = kernel.metadata
+                    regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
+                    lines.append(f"| {module.__name__.rsplit('.', 1)[-1]}.{name} | {meta.num_warps} | "
+                                 f"{meta.num_stages} | {regs} | {spills} | {meta.shared / 1024:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def ratio(a: float | str, b: float | str) -> str:
     return f"{a / b:.3f}" if isinstance(a, float) and isinstance(b, float) else "n/a"
 
@@ -191,7 +211,7 @@ def main() -> None:
         if args.profile:
             inputs = nsa_inputs(args.batch, T, HQ, H, D)
             print(f"\nwhere one fwd+bwd of the NSA core spends its time, T={T}:\n"
-                  f"{kernel_times(lambda: run_nsa(*inputs), inputs)}", flush=True)
+                  f"{kernel_times(lambda: run_nsa(*inputs), inputs)}\n{kernel_resources()}", flush=True)
             del inputs
     if args.groups:
         T = 32768

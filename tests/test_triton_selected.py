@@ -76,15 +76,20 @@ def reference_selected(q, k, v, idx):
 
 
 # item_queries: queries per dK/dV work item; small values split a block's queries over several items.
-@pytest.mark.parametrize("B,T,G,n,pattern,item_queries", [
-    (1, 10, 1, 3, "forced", 256),  # T < l'
-    (2, 37, 2, 3, "random", 7),    # T not a multiple of l', padding shuffled in
-    (1, 80, 3, 4, "random", 256),
-    (1, 64, 4, 4, "all", 5),       # many queries on every block
+# tile_rows: rows aimed at per forward / dQ tile; 1 gives one query per tile, larger values pack several queries
+# (the last tile partly empty when T is not a multiple) over the union of their blocks.
+@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,tile_rows", [
+    (1, 10, 1, 3, "forced", 256, 64),  # T < l'
+    (2, 37, 2, 3, "random", 7, 1),     # T not a multiple of l', padding shuffled in
+    (2, 37, 2, 3, "random", 7, 12),
+    (1, 80, 3, 4, "random", 256, 64),
+    (1, 64, 4, 4, "all", 5, 1),        # many queries on every block
+    (1, 64, 4, 4, "all", 5, 64),
 ])
 def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pattern: str, item_queries: int,
-                                              monkeypatch):
+                                              tile_rows: int, monkeypatch):
     monkeypatch.setattr(triton_selected, "_ITEM_QUERIES", item_queries)
+    monkeypatch.setattr(triton_selected, "_TILE_ROWS", tile_rows)
     gen = torch.Generator().manual_seed(T * 10 + G)
     H, D = 2, 16
     q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
