@@ -228,8 +228,8 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     return blocks.contiguous(), present.sum(-1, dtype=torch.int32)
 
 
-def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple, dict]:
-    """Grid and the tile arguments shared by the forward and dQ kernels."""
+def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], tuple, dict]:
+    """Grid, positional tile arguments and meta-parameters shared by the forward and dQ kernels."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
