@@ -34,8 +34,8 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
 from nsa_models.flops import mean_keys_per_query  # noqa: E402
-from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
 from nsa_models.nsa import triton_compressed, triton_selected  # noqa: E402
+from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
 from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402

@@ -228,18 +228,19 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     return blocks.contiguous(), present.sum(-1, dtype=torch.int32)
 
 
-def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], tuple, dict]:
-    """Grid, positional tile arguments and meta-parameters shared by the forward and dQ kernels."""
+def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], dict]:
+    """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
+    lists and sizes, lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
     QT = _queries_per_tile(G)
     blocks, counts = _tile_blocks(block_indices, triton.cdiv(T, block_size), QT)
-    BD, precision = triton.next_power_of_2(D), "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(T, QT), B * H)
-    meta = dict(H=H, G=G, D=D, BS=block_size, QT=QT, BM=max(16, triton.next_power_of_2(QT * G)),
-                NP=triton.next_power_of_2(n), BD=BD, PRECISION=precision, num_warps=4, num_stages=2)
-    return grid, (block_indices, blocks, counts, T, n, blocks.shape[3]), meta
+    tile = dict(IDX=block_indices, TILE_BLOCKS=blocks, TILE_COUNTS=counts, T=T, N_SEL=n, L=blocks.shape[3], H=H,
+                G=G, D=D, BS=block_size, QT=QT, BM=max(16, triton.next_power_of_2(QT * G)),
+                NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return (triton.cdiv(T, QT), B * H), tile
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int) -> None:
@@ -261,10 +262,10 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key)."""
     _check(q, k, v, block_indices, block_size)
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
-    grid, (idx, blocks, counts, T, n, L), meta = _tile_args(q, k, block_indices, block_size)
+    grid, tile = _tile_args(q, k, block_indices, block_size)
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    _fwd_kernel[grid](q, k, v, idx, blocks, counts, o, lse, T, n, L, scale * _LOG2E, **meta)
+    _fwd_kernel[grid](q, k, v, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
 
@@ -308,9 +309,9 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     B, T, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
-    grid, (idx, blocks, counts, T, n, L), meta = _tile_args(q, k, block_indices, block_size)
+    grid, tile = _tile_args(q, k, block_indices, block_size)
     dq = torch.empty_like(q)
-    _bwd_dq_kernel[grid](q, k, v, do, lse, delta, idx, blocks, counts, dq, T, n, L, scale * _LOG2E, scale, **meta)
+    _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
 
     n_blocks = triton.cdiv(T, block_size)
     item_seg, item_start, item_end, query_pos, seg_items = _reverse_index(block_indices, n_blocks)
@@ -321,11 +322,11 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     if n_items:
         _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, item_seg, item_start, item_end, query_pos, dk_part,
                                      dv_part, T, n_blocks, scale * _LOG2E, scale, H=H, G=G, D=D, BS=block_size,
-                                     BR=rows, QB=rows // G, BD=meta["BD"], PRECISION=meta["PRECISION"], num_warps=4,
+                                     BR=rows, QB=rows // G, BD=tile["BD"], PRECISION=tile["PRECISION"], num_warps=4,
                                      num_stages=2)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D,
-                                            BS=block_size, BD=meta["BD"], num_warps=4)
+                                            BS=block_size, BD=tile["BD"], num_warps=4)
     return dq, dk, dv
 
 
