@@ -6,7 +6,9 @@
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention, selection (scores + top-n, forward only: not
   differentiated), selected attention (n=16 random valid blocks), sliding window (FlexAttention);
-- `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs;
+- `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
+  and `compiled` (torch.compile, fullgraph, the window mask built once outside, as the model runs it: the gating,
+  softmax-delta and cast glue fuse). The ratios, the group sweep and --profile use the compiled core;
 - dense causal baselines: SDPA flash and cuDNN (K/V expanded to HQ heads), compiled FlexAttention (GQA);
 - fla's `parallel_nsa` (package fla-core, when installed; G >= 16 only): compression + selection at
   l = l' = d = 64 with mean pooling, alone and plus the FlexAttention window (the spec's comparison).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,11 +38,12 @@ from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
 from nsa_models.flops import mean_keys_per_query  # noqa: E402
 from nsa_models.nsa import triton_compressed, triton_selected  # noqa: E402
 from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
-from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
+from nsa_models.nsa.triton_backend import nsa_triton, window_attention, window_block_mask  # noqa: E402
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 
 NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
+CORE = "NSA triton backend, compiled"
 
 
 def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str) -> Tensor:
@@ -79,8 +82,17 @@ def nsa_inputs(B: int, T: int, HQ: int, H: int, D: int) -> list[Tensor]:
     return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
 
 
-def run_nsa(q, k, v, k_cmp, v_cmp, gates) -> Tensor:
-    return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates.sigmoid(), NSA)[0]
+def run_nsa(q, k, v, k_cmp, v_cmp, gates, window_mask: BlockMask | None = None) -> Tensor:
+    return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates.sigmoid(), NSA, window_mask=window_mask)[0]
+
+
+compiled_nsa = torch.compile(run_nsa, fullgraph=True, dynamic=False)
+
+
+def nsa_core(inputs: list[Tensor]):
+    """The compiled whole core on these inputs, as a function of nothing (for the timers)."""
+    mask = window_block_mask(inputs[0].shape[1], NSA.window_size, inputs[0].device)
+    return lambda: compiled_nsa(*inputs, mask)
 
 
 def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, float | str, float | str]]:
@@ -100,7 +112,8 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
                  *time_ms(lambda: selected_attention(q, k, v, idx, NSA.sel_block_size), [q, k, v])))
     del idx, lse
     rows.append(("window 512 (flex)", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
-    rows.append(("NSA triton backend", *time_ms(lambda: run_nsa(*inputs), inputs)))
+    rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
+    rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
 
     qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
     ke, ve = (x.detach().repeat_interleave(HQ // H, dim=1).requires_grad_() for x in (kh, vh))
@@ -204,21 +217,21 @@ def main() -> None:
             print(f"| {name} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
                   f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} |")
         by_name = {name: fwd_bwd for name, _, fwd_bwd in rows}
-        nsa = by_name["NSA triton backend"]
+        nsa = by_name[CORE]
         print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name['SDPA cuDNN (dense)'])}; "
               f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
               f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
         if args.profile:
             inputs = nsa_inputs(args.batch, T, HQ, H, D)
             print(f"\nwhere one fwd+bwd of the NSA core spends its time, T={T}:\n"
-                  f"{kernel_times(lambda: run_nsa(*inputs), inputs)}\n{kernel_resources()}", flush=True)
+                  f"{kernel_times(nsa_core(inputs), inputs)}\n{kernel_resources()}", flush=True)
             del inputs
     if args.groups:
         T = 32768
         print(f"\n| G (HQ={HQ}, T={T}) | NSA fwd | NSA fwd+bwd | model TFLOP/s |\n|---|---|---|---|")
         for G in (1, 4, 16):
             inputs = nsa_inputs(args.batch, T, HQ, HQ // G, D)
-            fwd, fwd_bwd = time_ms(lambda: run_nsa(*inputs), inputs)
+            fwd, fwd_bwd = time_ms(nsa_core(inputs), inputs)
             del inputs
             print(f"| {G} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
                   f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} | "

@@ -1,8 +1,9 @@
 """Activation checkpointing of transformer blocks (non-reentrant, selective-checkpoint policies).
 
 Every mode is a policy of `torch.utils.checkpoint.create_selective_checkpoint_contexts`, because NSA's block
-selection (`nsa.select_blocks`, `nsa.select_topn`) must always be saved: recomputing it could pick other blocks (bf16 ties,
-non-deterministic kernels) and the backward would then differentiate an attention that forward never ran.
+selection (`nsa.select_blocks`, `nsa.select_topn`) must always be saved: recomputing it could pick other blocks
+(bf16 ties, non-deterministic kernels) and the backward would then differentiate an attention that forward never
+ran.
 """
 
 from __future__ import annotations

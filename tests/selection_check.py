@@ -31,8 +31,9 @@ def reference_scores(q: Tensor, k_cmp: Tensor, args: NSAArgs, start: int = 0, se
 
 
 def assert_valid_selection(idx: Tensor, scores: Tensor, n: int, tol: float) -> None:
-    """idx [B, H, T, n] (ascending, -1 padding last) must keep the forced blocks (n of them if n is smaller), pick min(n, candidates)
-    blocks, and no unchosen candidate may beat a chosen one by more than `tol` (relative to the row's scale)."""
+    """idx [B, H, T, n] (ascending, -1 padding last) must keep the forced blocks (n of them if n is smaller), pick
+    min(n, candidates) blocks, and no unchosen candidate may beat a chosen one by more than `tol` (relative to the
+    row's scale)."""
     assert idx.shape == scores.shape[:3] + (n,)
     valid = idx >= 0
     padded = torch.where(valid, idx, torch.iinfo(torch.int64).max)

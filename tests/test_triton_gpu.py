@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
-from nsa_models.nsa.triton_backend import nsa_triton
+from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
 from tests.selection_check import assert_valid_selection, reference_scores
@@ -89,9 +89,10 @@ def test_backend_with_flex_window(dtype: torch.dtype):
     check_backend(4113, 16, 128, HYPERS[0], dtype, "flex", separate=False)
 
 
-def test_long_sequence_forward_and_deterministic_backward():
+@pytest.mark.parametrize("G", [16, 2], ids=["query-tiles", "key-block-major"])
+def test_long_sequence_forward_and_deterministic_backward(G: int):
     """T = 65536: forward against the reference's selected branch; backward finite and bitwise reproducible."""
-    B, T, H, G, D, block, n = 1, 65536, 1, 16, 128, 64, 16
+    B, T, H, D, block, n = 1, 65536, 1, 128, 64, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, T, h, D, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (H * G, H, H))
@@ -139,7 +140,8 @@ def test_compressed_long_sequence():
     for name, g, w in zip("qkv", got, want_grads):
         assert rel_err(g, w) <= 1e-2, f"d{name}"
     idx, _ = select_topn(q.detach(), k.detach(), lse, l, d, 64, 16, D ** -0.5)
-    scores = torch.cat([reference_scores(q[:, s:s + 4096], k, args, start=s, seq_len=T) for s in range(0, T, 4096)], dim=2)
+    scores = torch.cat([reference_scores(q[:, s:s + 4096], k, args, start=s, seq_len=T) for s in range(0, T, 4096)],
+                       dim=2)
     assert_valid_selection(idx, scores, 16, tol=1e-3)
 
 
@@ -165,3 +167,23 @@ def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_ba
     if window_backend == "flex":
         again = torch.autograd.grad(loss(*leaves)[0], leaves)
         assert all(torch.equal(a, b) for a, b in zip(eager_grads, again))
+
+
+def test_forward_and_backward_never_wait_on_the_gpu():
+    """No device-to-host sync in the backend's forward or backward: a sync stalls the host's kernel launches (the
+    GPU idles until the host catches up) and cannot be captured in a CUDA graph."""
+    args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
+    leaves = make_leaves(1, 2000, 2, 4, 64, args, torch.bfloat16, separate=False)
+    mask = window_block_mask(2000, args.window_size, torch.device("cuda"))
+
+    def grads():
+        out, _, _ = nsa_triton(*as_call(leaves, False), args, window_mask=mask)
+        return torch.autograd.grad(out.float().square().sum(), leaves)
+
+    grads()  # compiles the kernels and FlexAttention first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -75,21 +75,27 @@ def reference_selected(q, k, v, idx):
     return nsa_reference(q, k, v, k.detach(), v.detach(), empty, empty, gates, args, idx)[0]
 
 
-# item_queries: queries per dK/dV work item; small values split a block's queries over several items.
-# tile_rows: rows aimed at per forward / dQ tile; 1 gives one query per tile, larger values pack several queries
-# (the last tile partly empty when T is not a multiple) over the union of their blocks.
-@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,tile_rows", [
+# item_queries: (query, slot) pairs per key-block work item; small values split a block's queries over several.
+# layout: "key" runs the forward and dQ key-block-major; a number N runs them by query tiles of about N rows (1:
+# one query per tile; more: several queries over the union of their blocks, the last tile partly empty).
+@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,layout", [
     (1, 10, 1, 3, "forced", 256, 64),  # T < l'
+    (1, 10, 1, 3, "forced", 256, "key"),
     (2, 37, 2, 3, "random", 7, 1),     # T not a multiple of l', padding shuffled in
     (2, 37, 2, 3, "random", 7, 12),
+    (2, 37, 2, 3, "random", 7, "key"),
     (1, 80, 3, 4, "random", 256, 64),
+    (1, 80, 3, 4, "random", 256, "key"),
     (1, 64, 4, 4, "all", 5, 1),        # many queries on every block
     (1, 64, 4, 4, "all", 5, 64),
+    (1, 64, 4, 4, "all", 5, "key"),
 ])
 def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pattern: str, item_queries: int,
-                                              tile_rows: int, monkeypatch):
+                                              layout: int | str, monkeypatch):
     monkeypatch.setattr(triton_selected, "_ITEM_QUERIES", item_queries)
-    monkeypatch.setattr(triton_selected, "_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(triton_selected, "_key_major", lambda G, n_blocks, n: layout == "key")
+    if layout != "key":
+        monkeypatch.setattr(triton_selected, "_TILE_ROWS", layout)
     gen = torch.Generator().manual_seed(T * 10 + G)
     H, D = 2, 16
     q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()

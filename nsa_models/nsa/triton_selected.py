@@ -3,16 +3,22 @@
 Layout as the reference: q, o [B, T, HQ, D]; k, v [B, T, H, D]; block_indices [B, H, T, n] int64 (-1 = none),
 shared by the G = HQ / H query heads of a KV group. Query t attends the tokens u <= t of its chosen blocks.
 
-- Forward: one program per (tile of consecutive queries, batch, KV head) holds the G heads of each of its queries
-  as the rows of one tile (about `_TILE_ROWS` rows: 21 queries at G = 3, one query at G >= 16), so small groups
-  do not leave the matrix units' rows empty. It runs an online softmax over the union of the tile's chosen
-  blocks (ascending, built with torch ops), masking per row the blocks that row's query did not choose: a key
-  block is loaded once per tile instead of once per query. Writes o and the fp32 log-sum-exp.
-- dQ: same grid and tiles as the forward, recomputing the probabilities from the log-sum-exp.
-- dK/dV: without float atomics, so that the result is bitwise reproducible. A reverse index (key block -> the
-  queries that chose it, ascending) is built with torch ops and cut into work items of at most `_ITEM_QUERIES`
-  queries, so that block 0 (chosen by every query) does not serialise the kernel. Each item packs several
-  queries x G heads into one tile and writes fp32 partial sums; a second kernel adds a block's items in order.
+Two layouts for the forward and dQ, chosen from the static shapes by `_key_major`:
+- Query tiles (G >= 16, or few blocks): one program per (tile of consecutive queries, batch, KV head) holds the
+  G heads of each of its queries as the rows of one tile (about `_TILE_ROWS` rows: 21 queries at G = 3, one
+  query at G >= 16), so small groups do not leave the matrix units' rows empty. It runs an online softmax over
+  the union of the tile's chosen blocks (ascending, built with torch ops), masking per row the blocks that row's
+  query did not choose: a key block is loaded once per tile instead of once per query. dQ: same tiles,
+  recomputing the probabilities from the log-sum-exp.
+- Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
+  block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
+  each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
+  kernel merges a row's slots; the backward's dK/dV kernel also writes each pair's dQ term, summed per row the
+  same way. The work is exactly the chosen pairs, whatever the queries of a tile would have chosen.
+dK/dV (both layouts): without float atomics, so that the result is bitwise reproducible. A reverse index (key
+block -> the queries that chose it, ascending) is built with torch ops and cut into those work items, so that
+block 0 (chosen by every query) does not serialise the kernel; each item writes fp32 partial sums and a second
+kernel adds a block's items in order.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
-_ITEM_QUERIES = 256  # queries per dK/dV work item: bounds the longest program
-_ROWS_BWD = 64  # rows (queries x heads) per tile in the dK/dV kernel
+_ITEM_QUERIES = 256  # (query, slot) pairs per key-block work item: bounds the longest program
+_ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
 _TILE_ROWS = 64  # rows (queries x heads) aimed at per forward / dQ tile
 
 
@@ -139,31 +145,78 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, DQ, T
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
-@triton.jit(do_not_specialize=["T", "N_BLK"])
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QPOS, DK_PART, DV_PART, T, N_BLK,
-                     qk_scale, scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit
+def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                BD: tl.constexpr):
+    """This program's work item (grid: items): its query range [start, end) in the reverse index, batch, KV head,
+    the key block's positions [BS] and keys/values [BS, BD], head-dim lanes and their validity, and which key
+    rows to store (none for items past the real count, see _reverse_index)."""
     item = tl.program_id(0).to(tl.int64)
     seg = tl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
     start = tl.load(ITEM_START + item)
     end = tl.load(ITEM_END + item)
     bh, j = seg // N_BLK, seg % N_BLK
     b, h = bh // H, bh % H
-    r, d, u = tl.arange(0, BR), tl.arange(0, BD), tl.arange(0, BS)
+    d, u = tl.arange(0, BD), tl.arange(0, BS)
     d_ok = d < D
     pos = j * BS + u
+    # (A vector & a loaded scalar's comparison trips the Triton interpreter, hence u against a scalar.)
+    used = u < tl.where(start < end, BS, 0)
     kv_ptr = b * T * H * D + h * D + pos[:, None] * (H * D) + d[None, :]
-    kv_mask = (pos < T)[:, None] & d_ok[None, :]
+    kv_mask = ((pos < T) & used)[:, None] & d_ok[None, :]
     k = tl.load(K + kv_ptr, mask=kv_mask, other=0.0)
     v = tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
+    return item, start, end, b, h, pos, used, k, v, d, d_ok
+
+
+@triton.jit
+def _item_rows(QSLOT, qs, end, b, h, T, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
+               QB: tl.constexpr):
+    """The rows of one step of an item: row r is head r % G of its (qs + r // G)-th (query, slot) entry. Returns
+    which rows exist, their query positions, their rows of [B * T * HQ] and the slot of the key block in the
+    query's list (where per-(row, slot) partial results go)."""
+    r = tl.arange(0, BR)
+    ok = (r < QB * G) & (qs + r // G < end)
+    entry = tl.load(QSLOT + qs + r // G, mask=ok, other=0)  # t * N_SEL + slot
+    t = entry // N_SEL
+    return ok, t, (b * T + t) * (H * G) + h * G + r % G, entry % N_SEL
+
+
+@triton.jit(do_not_specialize=["T", "N_BLK"])
+def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, N_BLK, qk_scale,
+                     N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    """Key-block-major forward: each (query row, chosen block) pair's softmax over that block alone, normalised,
+    and its log-sum-exp (log2 units), into the pair's slot; `_combine_kernel` merges a row's slots."""
+    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK,
+                                                                   H, D, BS, BD)
+    for qs in range(start, end, QB):
+        ok, t, rows, slot = _item_rows(QSLOT, qs, end, b, h, T, N_SEL, H, G, BR, QB)
+        qd_mask = ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(ok[:, None] & (pos[None, :] <= t[:, None]), s, float("-inf"))
+        m, l, acc = online_softmax_update(tl.full([BR], float("-inf"), tl.float32), tl.zeros([BR], tl.float32),
+                                          tl.zeros([BR, BD], tl.float32), s, v, PRECISION)
+        o, lse = softmax_output(m, l, acc)
+        part = rows * N_SEL + slot
+        tl.store(O_PART + part[:, None] * D + d[None, :], o.to(O_PART.dtype.element_ty), mask=qd_mask)
+        tl.store(LSE_PART + part, lse * 1.4426950408889634, mask=ok)
+
+
+@triton.jit(do_not_specialize=["T", "N_BLK"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, DK_PART, DV_PART, DQ_PART, T,
+                     N_BLK, qk_scale, scale, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                     BS: tl.constexpr, BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr,
+                     PRECISION: tl.constexpr, WITH_DQ: tl.constexpr):
+    """dK/dV partial sums of one item; with WITH_DQ (key-block-major layout) also each (query row, chosen block)
+    pair's dQ term, into the pair's slot of DQ_PART."""
+    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK,
+                                                                   H, D, BS, BD)
     dk = tl.zeros([BS, BD], tl.float32)
     dv = tl.zeros([BS, BD], tl.float32)
-    # Row r of a tile is head r % G of the (r // G)-th query of the QB queries handled per step.
-    r_q, r_g, r_ok = r // G, r % G, r < QB * G
     for qs in range(start, end, QB):
-        ok = r_ok & (qs + r_q < end)
-        t = tl.load(QPOS + qs + r_q, mask=ok, other=0)
-        rows = (b * T + t) * (H * G) + h * G + r_g
+        ok, t, rows, slot = _item_rows(QSLOT, qs, end, b, h, T, N_SEL, H, G, BR, QB)
         qd_mask = ok[:, None] & d_ok[None, :]
         q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, ok, qd_mask, d, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BR, BS]
@@ -173,9 +226,49 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QP
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    part = item * BS * D + u[:, None] * D + d[None, :]
-    tl.store(DK_PART + part, dk * scale, mask=d_ok[None, :])
-    tl.store(DV_PART + part, dv, mask=d_ok[None, :])
+        if WITH_DQ:
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+            tl.store(DQ_PART + (rows * N_SEL + slot)[:, None] * D + d[None, :], dq, mask=qd_mask)
+    part = item * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
+    tl.store(DK_PART + part, dk * scale, mask=used[:, None] & d_ok[None, :])
+    tl.store(DV_PART + part, dv, mask=used[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "N_SEL", "N_ROWS"])
+def _combine_kernel(PART, LSE_PART, IDX, OUT, LSE, T, N_SEL, N_ROWS, H: tl.constexpr, G: tl.constexpr,
+                    D: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SOFTMAX: tl.constexpr):
+    """Merge each query row's per-slot results in slot order (deterministic), over the slots its query filled
+    (block index >= 0). SOFTMAX: the forward's partial outputs, weighted by their log-sum-exps, and the row's
+    natural-log lse; else a plain sum (dQ)."""
+    row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # rows of [B * T * HQ]
+    row_ok = row < N_ROWS
+    bt, hq = row // (H * G), row % (H * G)
+    b, t = bt // T, bt % T
+    s = tl.arange(0, NP)
+    chosen = tl.load(IDX + ((b * H + hq // G) * T + t)[:, None] * N_SEL + s[None, :],
+                     mask=row_ok[:, None] & (s < N_SEL)[None, :], other=-1)
+    filled = chosen >= 0
+    if SOFTMAX:
+        lse_s = tl.load(LSE_PART + row[:, None] * N_SEL + s[None, :], mask=filled, other=float("-inf"))
+        m = tl.max(lse_s, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse_s - m_safe[:, None])  # 0 for empty slots and slots that saw no key
+        l = tl.sum(w, 1)
+        w = w / tl.where(l > 0, l, 1.0)[:, None]
+    else:
+        w = filled.to(tl.float32)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    acc = tl.zeros([BM, BD], tl.float32)
+    for slot in range(N_SEL):
+        w_slot = tl.sum(tl.where(s[None, :] == slot, w, 0.0), 1)
+        mask = row_ok[:, None] & d_ok[None, :] & (w_slot != 0)[:, None]
+        acc += w_slot[:, None] * tl.load(PART + (row * N_SEL + slot)[:, None] * D + d[None, :], mask=mask,
+                                         other=0.0).to(tl.float32)
+    tl.store(OUT + row[:, None] * D + d[None, :], acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SOFTMAX:
+        tl.store(LSE + row, tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453,
+                                     float("-inf")), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["T", "N_BLK"])
@@ -228,6 +321,23 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     return blocks.contiguous(), present.sum(-1, dtype=torch.int32)
 
 
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot precision: exact fp32 for fp32 inputs, tf32 otherwise (bf16 products are exact in either)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _key_major(G: int, n_blocks: int, n: int) -> bool:
+    """Whether the forward and dQ run key-block-major (Flash Sparse Attention's order: each key block with the
+    queries that chose it, per-(query, slot) results merged afterwards) instead of by query tiles.
+
+    Below G = 16 once there are more than 2n blocks: a packed query tile then walks a union that grows with its
+    queries' differing choices (random choices at 32k, G = 1: 233 blocks per tile, 16 of them useful per row),
+    while key-block-major work is exactly the chosen pairs, at the price of per-slot partials in memory
+    ([B, T, HQ, n, D]). G >= 16 keeps one query per tile: its heads fill the rows, and the partials would be large
+    (34 GB at the benchmark shape, 64 heads at 64k)."""
+    return G < 16 and n_blocks > 2 * n
+
+
 def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
     lists and sizes, lengths, and meta-parameters."""
@@ -239,7 +349,7 @@ def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> 
     tile = dict(IDX=block_indices, TILE_BLOCKS=blocks, TILE_COUNTS=counts, T=T, N_SEL=n, L=blocks.shape[3], H=H,
                 G=G, D=D, BS=block_size, QT=QT, BM=max(16, triton.next_power_of_2(QT * G)),
                 NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+                PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
@@ -262,10 +372,20 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key)."""
     _check(q, k, v, block_indices, block_size)
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
-    grid, tile = _tile_args(q, k, block_indices, block_size)
+    B, T, HQ, D = q.shape
+    n = block_indices.shape[3]
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    _fwd_kernel[grid](q, k, v, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
+    if _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n):
+        n_items, items, _ = _item_args(q, k, block_indices, block_size)
+        o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
+        lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
+        _fwd_item_kernel[(n_items,)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E, num_warps=4,
+                                     **items)
+        _combine(o_part, lse_part, block_indices, o, lse)
+    else:
+        grid, tile = _tile_args(q, k, block_indices, block_size)
+        _fwd_kernel[grid](q, k, v, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
 
@@ -275,29 +395,63 @@ def _(q, k, v, block_indices, block_size, scale):
 
 
 def _reverse_index(block_indices: Tensor, n_blocks: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Work items over (batch, KV head, key block) -> the queries that chose the block, in ascending order.
+    """Work items over (batch, KV head, key block) -> the (query, slot) pairs that chose the block, in ascending
+    query order (a query's chosen blocks must be distinct, as the selection gives them).
 
-    Returns per item its segment (b * H + h) * n_blocks + j, its [start, end) range in `query_pos`, the query
-    positions, and per segment the [first, last + 1) range of its items. Sorting unique keys is deterministic.
+    Returns per item its segment (b * H + h) * n_blocks + j and its [start, end) range in `query_slot` (entries
+    t * n + slot: the query and where the block sits in its list), and per segment the [first, last + 1) range of
+    its items. Sorting unique keys is deterministic. No device-to-host sync (so a backward can be captured in a
+    CUDA graph and the host never waits): the item count is bounded from the shapes, and the items past the real
+    count get empty ranges.
     """
-    B, H, T, _ = block_indices.shape
+    B, H, T, n = block_indices.shape
     device = block_indices.device
     seg = torch.arange(B * H, device=device).view(B, H, 1, 1) * n_blocks + block_indices
-    t = torch.arange(T, device=device).view(1, 1, T, 1)
-    key = torch.where(block_indices >= 0, seg * T + t, torch.iinfo(torch.int64).max).flatten()
-    key = torch.sort(key).values
-    key = key[: int((block_indices >= 0).sum())]
-    query_pos = key % T
+    entry = torch.arange(T * n, device=device).view(1, 1, T, n)  # t * n + slot
+    key = torch.where(block_indices >= 0, seg * (T * n) + entry, torch.iinfo(torch.int64).max).flatten()
+    key = torch.sort(key).values  # the padding sorts last, past every segment
+    query_slot = key % (T * n)
     n_segs = B * H * n_blocks
-    bounds = torch.searchsorted(key // T, torch.arange(n_segs + 1, device=device))  # [n_segs + 1]
-    counts = bounds[1:] - bounds[:-1]
-    n_items = (counts + _ITEM_QUERIES - 1) // _ITEM_QUERIES
+    # Segment s holds the entries [bounds[s], bounds[s + 1]).
+    bounds = torch.searchsorted(key, torch.arange(n_segs + 1, device=device) * (T * n))
+    n_items = (bounds[1:] - bounds[:-1] + _ITEM_QUERIES - 1) // _ITEM_QUERIES
     seg_items = torch.cat([n_items.new_zeros(1), torch.cumsum(n_items, 0)])
-    n_total = int(seg_items[-1])
-    item_seg = torch.repeat_interleave(torch.arange(n_segs, device=device), n_items, output_size=n_total)
-    item_start = bounds[item_seg] + (torch.arange(n_total, device=device) - seg_items[item_seg]) * _ITEM_QUERIES
-    item_end = torch.minimum(item_start + _ITEM_QUERIES, bounds[item_seg + 1])
-    return item_seg, item_start, item_end, query_pos, seg_items
+    # Each non-empty segment has one partial item at most: no more than this many items, whatever was chosen.
+    max_items = min(n_segs, key.numel()) + key.numel() // _ITEM_QUERIES
+    item = torch.arange(max_items, device=device)
+    item_seg = (torch.searchsorted(seg_items, item, right=True) - 1).clamp_(max=n_segs - 1)
+    item_start = bounds[item_seg] + (item - seg_items[item_seg]) * _ITEM_QUERIES
+    item_end = torch.where(item < seg_items[-1], torch.minimum(item_start + _ITEM_QUERIES, bounds[item_seg + 1]),
+                           item_start)
+    return item_seg, item_start, item_end, query_slot, seg_items
+
+
+def _item_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[int, dict, Tensor]:
+    """Grid size, the keyword arguments the key-block-major kernels share (the work items, lengths,
+    meta-parameters) and each segment's item range (for the dK/dV reduction)."""
+    B, T, HQ, D = q.shape
+    H, n = k.shape[2], block_indices.shape[3]
+    G = HQ // H
+    n_blocks = triton.cdiv(T, block_size)
+    item_seg, item_start, item_end, query_slot, seg_items = _reverse_index(block_indices, n_blocks)
+    rows = max(_ITEM_ROWS, triton.next_power_of_2(G))
+    items = dict(ITEM_SEG=item_seg, ITEM_START=item_start, ITEM_END=item_end, QSLOT=query_slot, T=T, N_BLK=n_blocks,
+                 N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G, BD=triton.next_power_of_2(D),
+                 PRECISION=_precision(q.dtype), num_stages=2)
+    return item_seg.numel(), items, seg_items
+
+
+def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: Tensor, lse: Tensor | None) -> None:
+    """out [B, T, HQ, D] (and lse) from per-slot results part [B, T, HQ, n, D]: the forward's softmax merge when
+    lse_part (fp32 [B, T, HQ, n], log2 units) is given, else the plain sum (dQ)."""
+    B, T, HQ, n, D = part.shape
+    H = block_indices.shape[1]
+    rows, BM = B * T * HQ, 32
+    softmax = lse_part is not None
+    _combine_kernel[(triton.cdiv(rows, BM),)](part, lse_part if softmax else part, block_indices, out,
+                                              lse if softmax else out, T, n, rows, H=H, G=HQ // H, D=D, BM=BM,
+                                              NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
+                                              SOFTMAX=softmax, num_warps=4)
 
 
 @torch.library.custom_op("nsa::selected_attention_bwd", mutates_args=())
@@ -307,26 +461,27 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
-    H = k.shape[2]
-    G = HQ // H
-    grid, tile = _tile_args(q, k, block_indices, block_size)
+    n = block_indices.shape[3]
+    key_major = _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n)
     dq = torch.empty_like(q)
-    _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
-
-    n_blocks = triton.cdiv(T, block_size)
-    item_seg, item_start, item_end, query_pos, seg_items = _reverse_index(block_indices, n_blocks)
-    n_items = item_seg.numel()
+    if not key_major:
+        grid, tile = _tile_args(q, k, block_indices, block_size)
+        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
+    n_items, items, seg_items = _item_args(q, k, block_indices, block_size)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
-    rows = max(_ROWS_BWD, triton.next_power_of_2(G))
-    if n_items:
-        _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, item_seg, item_start, item_end, query_pos, dk_part,
-                                     dv_part, T, n_blocks, scale * _LOG2E, scale, H=H, G=G, D=D, BS=block_size,
-                                     BR=rows, QB=rows // G, BD=tile["BD"], PRECISION=tile["PRECISION"], num_warps=4,
-                                     num_stages=2)
+    # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below.
+    dq_part = q.new_empty(B, T, HQ, n, D, dtype=torch.float32) if key_major else dk_part
+    # 8 warps with the dQ term: at 4 the compiler spills (38 registers at G = 3, D = 64; ptxas, sm_90a).
+    _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part,
+                                 qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=key_major,
+                                 num_warps=8 if key_major else 4, **items)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D,
-                                            BS=block_size, BD=tile["BD"], num_warps=4)
+    _bwd_reduce_kernel[(B * k.shape[2] * items["N_BLK"],)](dk_part, dv_part, seg_items, dk, dv, T, items["N_BLK"],
+                                                          H=k.shape[2], D=D, BS=block_size, BD=items["BD"],
+                                                          num_warps=4)
+    if key_major:
+        _combine(dq_part, None, block_indices, dq, None)
     return dq, dk, dv
 
 
