@@ -36,9 +36,9 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
 from nsa_models.flops import mean_keys_per_query  # noqa: E402
-from nsa_models.nsa import triton_compressed, triton_selected  # noqa: E402
+from nsa_models.nsa import triton_compressed, triton_selected, window_mask  # noqa: E402
 from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
-from nsa_models.nsa.triton_backend import nsa_triton, window_attention, window_block_mask  # noqa: E402
+from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 
@@ -91,7 +91,7 @@ compiled_nsa = torch.compile(run_nsa, fullgraph=True, dynamic=False)
 
 def nsa_core(inputs: list[Tensor]):
     """The compiled whole core on these inputs, as a function of nothing (for the timers)."""
-    mask = window_block_mask(inputs[0].shape[1], NSA.window_size, inputs[0].device)
+    mask = window_mask(inputs[0].shape[1], NSA, inputs[0].device)  # as `Transformer.forward` builds it
     return lambda: compiled_nsa(*inputs, mask)
 
 

@@ -477,9 +477,9 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
                                  qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=key_major,
                                  num_warps=8 if key_major else 4, **items)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _bwd_reduce_kernel[(B * k.shape[2] * items["N_BLK"],)](dk_part, dv_part, seg_items, dk, dv, T, items["N_BLK"],
-                                                          H=k.shape[2], D=D, BS=block_size, BD=items["BD"],
-                                                          num_warps=4)
+    H, n_blocks = items["H"], items["N_BLK"]
+    _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D, BS=block_size,
+                                            BD=items["BD"], num_warps=4)
     if key_major:
         _combine(dq_part, None, block_indices, dq, None)
     return dq, dk, dv
