@@ -88,10 +88,16 @@ class Trainer:
                               f"vocabulary ({vocab}, data.tokenizer = {config.data.tokenizer!r}): raise it")
 
         self.model = self._build_model()
-        from parallelisms import compile_loss
+        from parallelisms import CUDA_GRAPH_MODES, compile_loss
         from training.optim import build_lr_scheduler, build_optimizer
 
         self.loss_fn = compile_loss(cross_entropy, config.compile) if config.compile.enable else cross_entropy
+        self.cuda_graphs = config.compile.enable and config.compile.mode in CUDA_GRAPH_MODES
+        if self.cuda_graphs:
+            # A first backward would adopt its CUDA graph's output buffers as the .grad tensors, and the next
+            # micro-batch's replay would overwrite them: accumulate into gradients of our own, zeroed in place.
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, cfg.steps)
 
@@ -266,6 +272,8 @@ class Trainer:
             start = time.perf_counter()
             inputs, labels = (t.to(self.device, non_blocking=True) for t in next(self.train_loader))
             data_time += time.perf_counter() - start
+            if self.cuda_graphs:  # each micro-batch is a new iteration: its graphs may reuse the last one's memory
+                torch.compiler.cudagraph_mark_step_begin()
             with self._autocast():
                 loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum
             if inject_nan:
@@ -287,7 +295,7 @@ class Trainer:
         if applied:
             self.optimizer.step()
             self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
         return total, grad_norm, data_time, applied
 
     def evaluate(self) -> float:
@@ -299,6 +307,8 @@ class Trainer:
         with torch.no_grad(), self._autocast():
             for _ in range(self.config.training.eval_batches):
                 inputs, labels = (t.to(self.device) for t in next(self.eval_loader))
+                if self.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 total += self.loss_fn(self.model(inputs), labels)
         self.model.train()
         self.eval_loader.load_state_dict(state)
@@ -342,6 +352,8 @@ class Trainer:
                     profiler.step()
                 if self.step == 2 and self.config.compile.enable:
                     counts = compile_counters()
+                    if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
+                        del counts["cudagraph_skips"]
                     self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
                     self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
                 if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line

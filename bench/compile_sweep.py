@@ -18,7 +18,8 @@ Columns: compile_s = step 1's time minus the median steady step time (what compi
 to_step1_s = wall time from launch to the end of step 1 (imports, data, model build and compile); tokens_per_s
 and mfu = medians over the steps after --warmup; peak_mem_gib = memory/max_allocated_gib (peak RSS on CPU);
 graph_breaks and graphs_compiled = the trainer's readings after step 2; recompiles = Dynamo's recompile log
-lines (TORCH_LOGS=recompiles) over the whole run.
+lines (TORCH_LOGS=recompiles) over the whole run; cudagraph_skips = compiled graphs that a CUDA-graph mode
+(reduce-overhead, max-autotune) ran without CUDA graphs, after step 2 (0: every graph was captured).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from training.config import ConfigError  # noqa: E402
 
 Overrides = dict[str, str]
 COLUMNS = ["status", "exit_code", "compile_s", "to_step1_s", "tokens_per_s", "mfu", "peak_mem_gib", "graph_breaks",
-           "graphs_compiled", "recompiles", "final_loss", "error"]
+           "graphs_compiled", "recompiles", "cudagraph_skips", "final_loss", "error"]
 # What TORCH_LOGS=recompiles prints once per recompile (torch/_dynamo/guards.py).
 _RECOMPILE_LINE = "[__recompiles] Recompiling function"
 # train.py's one-line ConfigError, then a Python exception line of rank 0, then of any process.
@@ -118,6 +119,8 @@ def read_results(tb_dir: Path, warmup: int, launched_at: float) -> dict[str, flo
         # and the loss have compiled: the frames compiled plus any recompile in steps 1-2 (recompiles counts those
         # over the whole run).
         results["graphs_compiled"] = int(series["compile/graphs_compiled"][0].value)
+    if "compile/cudagraph_skips" in series:
+        results["cudagraph_skips"] = int(series["compile/cudagraph_skips"][-1].value)
     if "train/loss" in series:
         results["final_loss"] = series["train/loss"][-1].value
     return results

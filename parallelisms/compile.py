@@ -10,6 +10,9 @@ from torch._dynamo.utils import counters
 
 from training.config import CompileConfig
 
+# Inductor modes that replay the compiled graphs as CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
 
 def _compile(fn: Callable, cfg: CompileConfig) -> Callable:
     # dynamic=False: shapes are fixed per run (static shapes give the best kernels); a new shape just recompiles.
@@ -36,7 +39,8 @@ def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:
 
 
 def compile_counters() -> dict[str, int]:
-    """Dynamo's process-wide totals so far: graph breaks and graphs compiled.
+    """Dynamo's process-wide totals so far: graph breaks, graphs compiled, and graphs that a CUDA-graph mode ran
+    without CUDA graphs (Inductor skips them, with a log line, for graphs it cannot capture).
 
     torch keeps no recompile counter: once every block and the loss have compiled (step 1), any further rise of
     `graphs_compiled` is a recompile, so the trainer compares two readings.
@@ -44,4 +48,5 @@ def compile_counters() -> dict[str, int]:
     return {
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs_compiled": counters["stats"]["unique_graphs"],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.compile import apply_compile
+from parallelisms.compile import CUDA_GRAPH_MODES, apply_compile
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.float8 import apply_float8
 from training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,
@@ -26,6 +26,10 @@ def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, c
                           "set it to 'gloo' or 'auto'")
     if world_size > 1:
         _check_data_parallel(parallelism, compile, world_size)
+    if compile.enable and compile.mode in CUDA_GRAPH_MODES and device_type != "cuda":
+        # Inductor would quietly skip the CUDA graphs on another device: say so instead.
+        raise ConfigError(f"compile.mode = '{compile.mode}' replays CUDA graphs, which need CUDA (device is "
+                          f"{device_type}): use 'default' or 'max-autotune-no-cudagraphs'")
     if float8.enable:
         if device_type != "cuda":
             raise ConfigError(f"float8.enable = true needs a CUDA GPU of SM89 or newer (device is {device_type}): "
@@ -51,10 +55,10 @@ def _check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig,
     if parallelism.data_parallel in ("fsdp", "hsdp") and compile.enable:
         # FSDP2 all-gathers into new storage every step and frees it after use: CUDA graphs replay fixed
         # addresses, so they would read freed memory.
-        if compile.mode == "max-autotune":
-            raise ConfigError(f"compile.mode = 'max-autotune' uses CUDA graphs, which cannot capture "
+        if compile.mode in CUDA_GRAPH_MODES:
+            raise ConfigError(f"compile.mode = '{compile.mode}' uses CUDA graphs, which cannot capture "
                               f"parallelism.data_parallel = '{parallelism.data_parallel}': "
-                              "use 'max-autotune-no-cudagraphs'")
+                              "use 'default' or 'max-autotune-no-cudagraphs'")
         if compile.scope == "model":
             raise ConfigError(f"compile.scope = 'model' with parallelism.data_parallel = "
                               f"'{parallelism.data_parallel}': the per-block FSDP hooks would split the graph; "

@@ -10,8 +10,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Compiled blocks are shared across tests (and subprocesses): a warm cache turns ~10 s compiles into ~1.5 s.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".inductor_cache"))
 # Without a GPU, Triton kernels run in its interpreter; the flag must be set before triton is first imported.
-if not any(Path("/dev").glob("nvidia[0-9]*")):
+_GPUS = sorted((p.name.removeprefix("nvidia") for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+if not _GPUS:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each worker takes one GPU in turn (gw0 -> the first, gw1 -> the second, ...), so `-n 4` on a
+# 4-GPU host spreads the GPU tests instead of stacking every worker on GPU 0. Must run before CUDA initialises.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _GPUS:
+    _visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(_GPUS)).split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _visible[int(_WORKER[2:]) % len(_visible)]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -258,6 +258,9 @@ def plan(world_size=2, device_type="cpu", gpu_capability=None, **sections):
     (plan(parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=2), world_size=8,
           compile=CompileConfig(enable=True, mode="max-autotune")), "compile.mode"),
     (plan(compile=CompileConfig(enable=True, scope="model")), "compile.scope"),
+    (plan(device_type="cuda", gpu_capability=(9, 0), compile=CompileConfig(enable=True, mode="reduce-overhead")),
+     "compile.mode"),  # CUDA graphs under FSDP2
+    (plan(world_size=1, compile=CompileConfig(enable=True, mode="reduce-overhead")), "compile.mode"),  # on CPU
     (plan(parallelism=ParallelismConfig(dist_backend="nccl")), "parallelism.dist_backend"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_check_plan_rejects(kwargs, key):
@@ -271,8 +274,10 @@ def test_check_plan_rejects(kwargs, key):
          compile=CompileConfig(enable=True, scope="model")),  # parallelism is ignored with one process
     plan(world_size=8, parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=2),
          ac=ActivationCheckpointConfig(mode="selective_op"), compile=CompileConfig(enable=True)),
-    plan(parallelism=ParallelismConfig(data_parallel="ddp"), compile=CompileConfig(enable=True, scope="model",
-                                                                                   mode="max-autotune")),
+    plan(parallelism=ParallelismConfig(data_parallel="ddp"), device_type="cuda", gpu_capability=(9, 0),
+         compile=CompileConfig(enable=True, scope="model", mode="max-autotune")),
+    plan(world_size=1, device_type="cuda", gpu_capability=(9, 0),
+         compile=CompileConfig(enable=True, mode="reduce-overhead")),
     plan(device_type="cuda", gpu_capability=(8, 9), float8=Float8Config(enable=True)),
     # One process per node: a 2 x 1 mesh (replicated across nodes, shard groups of one), as in the 2-node test.
     plan(world_size=2, parallelism=ParallelismConfig(data_parallel="hsdp", dp_replicate=2)),

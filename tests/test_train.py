@@ -117,3 +117,24 @@ def test_print_config_round_trips(tmp_path):
 
     config, _ = load_config([str(saved)])
     assert config.model.nsa.window_size == 48
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_capture_every_graph_and_train_as_default(tmp_path):
+    """compile.mode = 'reduce-overhead' (two micro-batches per step, evaluation between steps, the triton backend):
+    no compiled graph is left uncaptured, and the losses are the default mode's."""
+    logged = {}
+    for mode in ("default", "reduce-overhead"):
+        run_dir = tmp_path / mode
+        result = subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--training.steps", "10",
+                                 "--job.run_dir", str(run_dir), *FAST, "--training.global_batch_tokens", "1024",
+                                 "--training.device", "cuda", "--compile.enable", "true", "--compile.mode", mode,
+                                 "--model.nsa.backend", "triton"],
+                                cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (events,) = event_files(run_dir)
+        logged[mode] = scalars(events)
+    assert logged["reduce-overhead"]["compile/cudagraph_skips"] == {2: 0}
+    for tag in ("train/loss", "eval/loss"):
+        want, got = logged["default"][tag], logged["reduce-overhead"][tag]
+        assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want), tag

@@ -142,8 +142,10 @@ class CompileConfig:
     """Compile each transformer block separately (fast compile, reused graph) or the whole model."""
     fullgraph: bool = True
     """Fail on any graph break instead of silently splitting the graph."""
-    mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    """Inductor mode."""
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """Inductor mode. `reduce-overhead` replays each compiled graph as a CUDA graph (one launch instead of one per
+    kernel: for steps where the host's launch work, not the GPU, is the limit); `max-autotune` also benchmarks
+    GEMM candidates (minutes of compile), with CUDA graphs; `max-autotune-no-cudagraphs` without them."""
 
 
 @dataclass

@@ -330,12 +330,14 @@ def _key_major(G: int, n_blocks: int, n: int) -> bool:
     """Whether the forward and dQ run key-block-major (Flash Sparse Attention's order: each key block with the
     queries that chose it, per-(query, slot) results merged afterwards) instead of by query tiles.
 
-    Below G = 16 once there are more than 2n blocks: a packed query tile then walks a union that grows with its
+    Below G = 16 once there are more than 4n blocks: a packed query tile then walks a union that grows with its
     queries' differing choices (random choices at 32k, G = 1: 233 blocks per tile, 16 of them useful per row),
     while key-block-major work is exactly the chosen pairs, at the price of per-slot partials in memory
-    ([B, T, HQ, n, D]). G >= 16 keeps one query per tile: its heads fill the rows, and the partials would be large
-    (34 GB at the benchmark shape, 64 heads at 64k)."""
-    return G < 16 and n_blocks > 2 * n
+    ([B, T, HQ, n, D]). Measured (H200, nsa-125m's G = 3, fwd+bwd): tiles win at 2n and 4n blocks (2k, 4k), key
+    blocks from 8n (8k: 5.2 vs 5.9 ms; 32k: 5.7 vs 11.4 ms). G >= 16 keeps one query per tile: its heads fill the
+    rows, and writing and re-reading n partials per row would outweigh that (34 GB of fp32 dQ terms at the
+    benchmark shape, 64 heads at 64k)."""
+    return G < 16 and n_blocks > 4 * n
 
 
 def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], dict]:
@@ -349,7 +351,9 @@ def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> 
     tile = dict(IDX=block_indices, TILE_BLOCKS=blocks, TILE_COUNTS=counts, T=T, N_SEL=n, L=blocks.shape[3], H=H,
                 G=G, D=D, BS=block_size, QT=QT, BM=max(16, triton.next_power_of_2(QT * G)),
                 NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
-                PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+                PRECISION=_precision(q.dtype), num_stages=2)
+    # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
+    tile["num_warps"] = 2 if tile["BM"] <= 16 else 4
     return (triton.cdiv(T, QT), B * H), tile
 
 
