@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_models.nsa.triton_selected import load_rows, online_softmax_update, softmax_delta, softmax_output
+from nsa_models.nsa.triton_selected import (dot_precision, load_rows, online_softmax_update, softmax_delta,
+                                            softmax_output)
 
 _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
 _ROWS = 64  # rows (query positions x padded group heads) per tile
@@ -215,8 +216,7 @@ def _tiling(G: int, D: int, dtype: torch.dtype) -> dict:
     GP = triton.next_power_of_2(G)
     if GP > _ROWS:
         raise ValueError(f"compressed attention: GQA group size {G} is above {_ROWS}")
-    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=dot_precision(dtype))
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
