@@ -122,8 +122,10 @@ def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: N
     n_selected = selected.sum()  # > 0: every query selects its own block
     forced = selected & ((block_indices == 0) | (distance <= 1))
     distance = torch.where(selected, distance, 0).float()
-    starts = torch.tensor(distance_bin_starts(1 + (n_sel - 1).bit_length()), device=gates.device)
-    at_least = (selected[..., None] & (distance[..., None] >= starts)).flatten(0, -2).sum(0)  # [n_bins]
+    # One full reduction per bin: a single [elements, n_bins] -> [n_bins] reduction gave Inductor n_bins programs
+    # (0.37 ms of an 8.1 ms nsa-125m block at 16 x 2048 on an H200).
+    at_least = torch.stack([(selected & (distance >= start)).sum()
+                            for start in distance_bin_starts(1 + (n_sel - 1).bit_length())])
     counts = at_least - F.pad(at_least[1:], (0, 1))
     n_seeing = B * max(0, T - args.cmp_block_size + 1) * HQ
     means = torch.stack([forced.sum() / n_selected, distance.sum() / n_selected,

@@ -49,7 +49,9 @@ CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
 def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, blocks, n, keys, monkeypatch):
     monkeypatch.setattr(triton_compressed, "_KEYS", keys)
     monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)
-    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK", 64 if keys < 64 else 2048)  # several query chunks
+    if keys < 64:  # several query chunks per block tile
+        monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MIN", 64)
+        monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MAX", 64)
     l, d, lp = blocks
     args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=lp, n_selected=n)
     gen = torch.Generator().manual_seed(T * 7 + G)

@@ -9,13 +9,15 @@ small G still fills the matrix-unit rows with positions.
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp.
 - Backward: dQ with the forward's grid; dK/dV with one program per (KV head, tile of compressed blocks, chunk of
-  queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible.
+  queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible. The dK/dV
+  program computes the transposed scores (keys x query rows), so that every product has the key tile as its
+  rows and no probability tile is transposed in registers.
 - Selection: recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed blocks
   to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
   overlap that spills into the next tile), forces block 0 and the two most recent blocks, and writes one int64
   sort key per candidate block: the fp32 score's bits above the complement of the block index, so that ranking
   the keys orders by score and breaks ties towards the lower index, as the reference's stable sort. Each query
-  keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge step).
+  keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge).
   The same pass gives each query head's compressed-attention entropy (telemetry).
 """
 
@@ -33,7 +35,13 @@ _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spel
 _ROWS = 64  # rows (query positions x padded group heads) per tile
 _KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
 _KEYS_BWD = 64  # compressed blocks per dK/dV program: each query row loaded serves this many keys
-_BWD_CHUNK = 2048  # query positions per dK/dV program
+# Query positions per dK/dV program: enough programs to fill the GPU at short T (about _BWD_PROGRAMS: several per
+# SM of a 132-SM H100/H200), chunks of at least _BWD_CHUNK_MIN queries, and at most _BWD_CHUNKS_MAX chunks, which
+# bounds the fp32 partial sums' memory at long T.
+_BWD_PROGRAMS = 1024
+_BWD_CHUNK_MIN = 256
+_BWD_CHUNK_MAX = 2048
+_BWD_CHUNKS_MAX = 32
 
 
 @triton.jit
@@ -74,6 +82,13 @@ def _n_visible(t, NC, L: tl.constexpr, S: tl.constexpr):
     return tl.minimum(tl.where(t + 1 >= L, (t + 1 - L) // S + 1, 0), NC)
 
 
+@triton.jit
+def _sees(n, t, NC, L: tl.constexpr, S: tl.constexpr):
+    """Whether query t sees compressed block n (tensors of broadcastable shapes): the block exists and ends at or
+    before t."""
+    return (n * S + L - 1 <= t) & (n < NC)
+
+
 @triton.jit(do_not_specialize=["T", "NC"])
 def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -87,7 +102,7 @@ def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constex
         n = n0 + tl.arange(0, BN)
         k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where((n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :], s, float("-inf"))
+        s = tl.where(_sees(n[None, :], t[:, None], NC, L, S), s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
@@ -105,7 +120,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.co
         n = n0 + tl.arange(0, BN)
         k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
+        visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
@@ -126,18 +141,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
+    stop = tl.minimum(chunk * CHUNK + CHUNK, T)
     # This chunk's queries, from the first one that sees the tile's first block on (none: zero partials).
-    for t0 in range(tl.maximum(chunk * CHUNK, tile * BN * S + L - 1), tl.minimum(chunk * CHUNK + CHUNK, T), BM // GP):
+    for t0 in range(tl.maximum(chunk * CHUNK, tile * BN * S + L - 1), stop, BM // GP):
         t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
-        row_ok &= t < chunk * CHUNK + CHUNK
+        row_ok &= t < stop
         qd_mask = row_ok[:, None] & d_ok[None, :]
         q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
-        visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        dk += tl.dot(tl.trans((p * (dp - delta[:, None])).to(q.dtype)), q, input_precision=PRECISION)
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BN, BM]: keys x query rows
+        p = tl.where(_sees(n[:, None], t[None, :], NC, L, S) & row_ok[None, :], tl.exp2(s - lse[None, :]), 0.0)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dk += tl.dot((p * (dp - delta[None, :])).to(q.dtype), q, input_precision=PRECISION)
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
     tl.store(DK_PART + ptr, dk * scale, mask=mask)
@@ -182,7 +197,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
             k = tl.load(K + kv_base + n[:, None] * (H * D) + d[None, :], mask=(n < NC)[:, None] & d_ok[None, :],
                         other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = (n[None, :] * S + L - 1 <= t[:, None]) & (n < NC)[None, :] & row_ok[:, None]
+            visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
             entropy += tl.sum(tl.where(visible, p * (lse[:, None] - s), 0.0), 1)
             # The group's heads share one selection: sum their rows (linear, so after the overlap product).
@@ -200,9 +215,9 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
         key = bits.to(tl.int64) * 4294967296 + (4294967295 - j[None, :].to(tl.int64))
         if STORE_KEYS:
             tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key, mask=(tq < T)[:, None] & (j < NS)[None, :])
-        # Bitonic merge: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
-        # BJ largest of both (unordered); sorting it keeps `top` descending for the next tile.
-        top = tl.sort(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
+        # Bitonic top-k: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
+        # BJ largest of both as a bitonic sequence, which one merge (log2 BJ rounds) sorts descending again.
+        top = tl.bitonic_merge(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
     rank = tl.arange(0, BJ)[None, :]
     chosen = tl.where((top >= 0) & (rank < N_SEL), 4294967295 - (top & 4294967295), NS)  # NS: none
     chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
@@ -253,6 +268,12 @@ def _(q, k, v, block, stride, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
+    """Query positions per dK/dV program (see _BWD_PROGRAMS)."""
+    chunk = triton.next_power_of_2(triton.cdiv(T * n_tiles * n_heads, _BWD_PROGRAMS))
+    return max(min(max(chunk, _BWD_CHUNK_MIN), _BWD_CHUNK_MAX), triton.cdiv(T, _BWD_CHUNKS_MAX))
+
+
 @torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
                              stride: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -267,13 +288,14 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
         q, k, v, do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block.
-    n_chunks = triton.cdiv(T, _BWD_CHUNK)
+    n_tiles = triton.cdiv(NC, _KEYS_BWD)
+    chunk = _dkdv_chunk(T, n_tiles, B * H)
+    n_chunks = triton.cdiv(T, chunk)
     dk_part = torch.empty(n_chunks, B, NC, H, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     if NC:
-        _bwd_dkdv_kernel[(triton.cdiv(NC, _KEYS_BWD), n_chunks, B * H)](
-            q, k, v, do, lse, delta, dk_part, dv_part, T, NC, _BWD_CHUNK, scale * _LOG2E, scale, BN=_KEYS_BWD,
-            **args)
+        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, k, v, do, lse, delta, dk_part, dv_part, T, NC, chunk,
+                                                     scale * _LOG2E, scale, BN=_KEYS_BWD, **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
 
