@@ -271,7 +271,8 @@ def _(q, k, v, block, stride, scale):
 def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
     """Query positions per dK/dV program (see _BWD_PROGRAMS)."""
     chunk = triton.next_power_of_2(triton.cdiv(T * n_tiles * n_heads, _BWD_PROGRAMS))
-    return max(min(max(chunk, _BWD_CHUNK_MIN), _BWD_CHUNK_MAX), triton.cdiv(T, _BWD_CHUNKS_MAX))
+    chunk = min(max(chunk, _BWD_CHUNK_MIN), _BWD_CHUNK_MAX)
+    return max(chunk, triton.cdiv(T, _BWD_CHUNKS_MAX))
 
 
 @torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())

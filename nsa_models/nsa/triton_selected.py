@@ -251,10 +251,7 @@ def _combine_kernel(PART, LSE_PART, IDX, OUT, LSE, T, N_SEL, N_ROWS, H: tl.const
     if SOFTMAX:
         lse_s = tl.load(LSE_PART + row[:, None] * N_SEL + s[None, :], mask=filled, other=float("-inf"))
         m = tl.max(lse_s, 1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse_s - m_safe[:, None])  # 0 for empty slots and slots that saw no key
-        l = tl.sum(w, 1)
-        w = w / tl.where(l > 0, l, 1.0)[:, None]
+        w = tl.exp2(lse_s - tl.where(m == float("-inf"), 0.0, m)[:, None])  # 0: empty slot or no key seen
     else:
         w = filled.to(tl.float32)
     d = tl.arange(0, BD)
@@ -265,10 +262,10 @@ def _combine_kernel(PART, LSE_PART, IDX, OUT, LSE, T, N_SEL, N_ROWS, H: tl.const
         mask = row_ok[:, None] & d_ok[None, :] & (w_slot != 0)[:, None]
         acc += w_slot[:, None] * tl.load(PART + (row * N_SEL + slot)[:, None] * D + d[None, :], mask=mask,
                                          other=0.0).to(tl.float32)
+    if SOFTMAX:  # the slots' outputs weighted by their shares of the row's softmax mass
+        acc, lse = softmax_output(m, tl.sum(w, 1), acc)
+        tl.store(LSE + row, lse, mask=row_ok)
     tl.store(OUT + row[:, None] * D + d[None, :], acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if SOFTMAX:
-        tl.store(LSE + row, tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453,
-                                     float("-inf")), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["T", "N_BLK"])
