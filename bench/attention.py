@@ -42,7 +42,9 @@ from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: 
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 
-NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
+# backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
+# does; with the default ("reference") it returned None and the core rebuilt the mask on every call (O(T^2)).
+NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512, backend="triton")
 CORE = "NSA triton backend, compiled"
 
 

@@ -36,13 +36,15 @@ def reference(q, k, v, args):
 
 # (B, T, H, G, D, l/d/l', n, keys per tile): T < l, T not a multiple of any block, G of 1, 2, 3 (padded to 4)
 # and 4, both overlap patterns (l = 2d and l = d = l'), n above the candidate count (padding), D not a power of
-# two, and small tiles so that loops run over several key tiles (the selection's overlap carried across them).
+# two, and small tiles so that loops run over several key tiles (the selection's overlap carried across them)
+# and reach the unmasked tiles (whose padded-head rows and rows past T must add nothing).
 CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
          (2, 37, 1, 1, 16, (16, 16, 16), 4, 64),
          (1, 70, 2, 3, 16, (32, 16, 16), 3, 64),
          (1, 130, 2, 4, 24, (32, 16, 64), 2, 64),
          (1, 200, 1, 2, 16, (16, 8, 32), 5, 64),
-         (1, 300, 2, 2, 16, (16, 8, 16), 6, 16)]
+         (1, 300, 2, 2, 16, (16, 8, 16), 6, 16),
+         (1, 200, 2, 3, 16, (32, 16, 64), 4, 16)]
 
 
 @pytest.mark.parametrize("B,T,H,G,D,blocks,n,keys", CASES)

@@ -7,7 +7,9 @@ A tile's rows are QB consecutive query positions x the G heads of one KV group, 
 two GP (row r is head r % GP of position t0 + r // GP), so every query of the group shares the loaded keys and a
 small G still fills the matrix-unit rows with positions.
 
-- Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp.
+- Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
+  tiles that some row of the tile cannot fully see are masked (the last ones of a query tile; in dK/dV the
+  first query steps after a key tile): the others skip the per-element visibility test.
 - Backward: dQ with the forward's grid; dK/dV with one program per (KV head, tile of compressed blocks, chunk of
   queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible. The dK/dV
   program computes the transposed scores (keys x query rows), so that every product has the key tile as its
@@ -89,6 +91,27 @@ def _sees(n, t, NC, L: tl.constexpr, S: tl.constexpr):
     return (n * S + L - 1 <= t) & (n < NC)
 
 
+@triton.jit
+def _common_blocks(t0, NC, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr):
+    """Compressed blocks every query of a tile from t0 on sees, in whole key tiles: those tiles need no mask."""
+    return _n_visible(t0, NC, L, S) // BN * BN
+
+
+@triton.jit
+def _fwd_keys(q, K, V, kv_base, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
+              L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Fold compressed blocks [lo, hi) into the running softmax; MASKED: mask per row the blocks its query does
+    not see yet (only the tile's last key tiles need it)."""
+    for n0 in range(lo, hi, BN):
+        n = n0 + tl.arange(0, BN)
+        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+        if MASKED:
+            s = tl.where(_sees(n[None, :], t[:, None], NC, L, S), s, float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
+    return m, l, acc
+
+
 @triton.jit(do_not_specialize=["T", "NC"])
 def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -98,15 +121,33 @@ def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constex
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for n0 in range(0, _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), BN):
-        n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where(_sees(n[None, :], t[:, None], NC, L, S), s, float("-inf"))
-        m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
+    common = _common_blocks(t0, NC, L, S, BN)
+    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                          PRECISION, MASKED=False)
+    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, common,
+                          _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), NC, d, d_ok, qk_scale, H, D, L, S,
+                          BN, PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
+             D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Add compressed blocks [lo, hi)'s terms to dq; MASKED as in _fwd_keys. Unmasked, a row past the sequence or
+    a padded head adds 0: its q, dO, lse and delta load as 0."""
+    for n0 in range(lo, hi, BN):
+        n = n0 + tl.arange(0, BN)
+        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_sees(n[None, :], t[:, None], NC, L, S), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -116,15 +157,37 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.co
     t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
-    for n0 in range(0, _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), BN):
-        n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    common = _common_blocks(t0, NC, L, S, BN)
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                  PRECISION, MASKED=False)
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, common,
+                  _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                  PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit
+def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, qk_scale, H: tl.constexpr,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+               BD: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Add the terms of the query steps from lo to hi (rows before `stop`) to a key tile's dk, dv; MASKED: mask
+    the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it). Rows at
+    or past `stop` add 0: their q, dO, lse and delta load as 0."""
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    for t0 in range(lo, hi, BM // GP):
+        t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
+        row_ok &= t < stop
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BN, BM]: keys x query rows
+        p = tl.exp2(s - lse[None, :])
+        if MASKED:
+            p = tl.where(_sees(n[:, None], t[None, :], NC, L, S) & row_ok[None, :], p, 0.0)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dk += tl.dot((p * (dp - delta[None, :])).to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "NC", "CHUNK"])
@@ -142,17 +205,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
     stop = tl.minimum(chunk * CHUNK + CHUNK, T)
-    # This chunk's queries, from the first one that sees the tile's first block on (none: zero partials).
-    for t0 in range(tl.maximum(chunk * CHUNK, tile * BN * S + L - 1), stop, BM // GP):
-        t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
-        row_ok &= t < stop
-        qd_mask = row_ok[:, None] & d_ok[None, :]
-        q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
-        s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BN, BM]: keys x query rows
-        p = tl.where(_sees(n[:, None], t[None, :], NC, L, S) & row_ok[None, :], tl.exp2(s - lse[None, :]), 0.0)
-        dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dk += tl.dot((p * (dp - delta[None, :])).to(q.dtype), q, input_precision=PRECISION)
+    # This chunk's queries, from the first one that sees the tile's first block on (none: zero partials); from
+    # the first step whose queries all see the tile's last block on, unmasked.
+    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1)
+    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1
+    unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), BM // GP) * (BM // GP), stop)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, qk_scale, H, G, GP,
+                        D, L, S, BM, BD, PRECISION, MASKED=True)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, unmasked, stop, stop, T, NC, qk_scale, H, G, GP,
+                        D, L, S, BM, BD, PRECISION, MASKED=False)
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
     tl.store(DK_PART + ptr, dk * scale, mask=mask)
@@ -184,7 +245,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
     t_last = tl.minimum(t0 + QB, T) - 1
     n_vis = _n_visible(t_last, NC, L, S)
     carry = tl.zeros([QB], tl.float32)
-    entropy = tl.zeros([BM], tl.float32)
+    plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
     # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
     top = tl.full([QB, BJ], -1, tl.int64)
     n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
@@ -199,7 +260,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            entropy += tl.sum(tl.where(visible, p * (lse[:, None] - s), 0.0), 1)
+            plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
             # The group's heads share one selection: sum their rows (linear, so after the overlap product).
             # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
             # spilled registers and took 3x as long at 64k, and rounding p to tf32 (2^-11 relative) only
@@ -223,7 +284,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
     chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
     idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
     tl.store(IDX + idx_ptr, tl.where(chosen == NS, -1, chosen), mask=(tq < T)[:, None] & (rank < N_SEL))
-    tl.store(ENT + rows, entropy * 0.6931471805599453, mask=row_ok)
+    tl.store(ENT + rows, (lse - plogp_sum) * 0.6931471805599453, mask=row_ok)
 
 
 def _tiling(G: int, D: int, dtype: torch.dtype) -> dict:

@@ -5,11 +5,11 @@ shared by the G = HQ / H query heads of a KV group. Query t attends the tokens u
 
 Two layouts for the forward and dQ, chosen from the static shapes by `_key_major`:
 - Query tiles (G >= 16, or few blocks): one program per (tile of consecutive queries, batch, KV head) holds the
-  G heads of each of its queries as the rows of one tile (about `_TILE_ROWS` rows: 21 queries at G = 3, one
-  query at G >= 16), so small groups do not leave the matrix units' rows empty. It runs an online softmax over
-  the union of the tile's chosen blocks (ascending, built with torch ops), masking per row the blocks that row's
-  query did not choose: a key block is loaded once per tile instead of once per query. dQ: same tiles,
-  recomputing the probabilities from the log-sum-exp.
+  G heads of each of its queries as the rows of one tile (about `_TILE_ROWS` rows: 21 queries at G = 3; at
+  G >= 16 one query, or 4 with few blocks: `_queries_per_tile`), so small groups do not leave the matrix units'
+  rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
+  ops), masking per row the blocks that row's query did not choose: a key block is loaded once per tile instead
+  of once per query. dQ: same tiles, recomputing the probabilities from the log-sum-exp.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
   each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
@@ -32,6 +32,11 @@ from torch import Tensor
 _LOG2E = 1.4426950408889634
 _ITEM_QUERIES = 256  # (query, slot) pairs per key-block work item: bounds the longest program
 _ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
+# Rows per step of the key-block-major dK/dV-and-dQ kernel (3 <= G < 16). Measured (H200, bwd op, 64 -> 128 rows):
+# G = 3 (4 x 8k, D = 64) 3.21 -> 2.83 ms, G = 4 (32k) 27.87 -> 23.12, G = 8 (32k) 26.00 -> 22.07; G = 2 even
+# (30.97 / 31.03) and G = 1 slower (37.35 / 40.08), so those keep 64; so does G >= 16 (no dQ term, 4 warps:
+# 30.23 -> 38.70 at 64k).
+_ITEM_ROWS_DQ = 128
 _TILE_ROWS = 64  # rows (queries x heads) aimed at per forward / dQ tile
 
 
@@ -291,13 +296,17 @@ def _bwd_reduce_kernel(DK_PART, DV_PART, SEG_ITEMS, DK, DV, T, N_BLK, H: tl.cons
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
 
 
-def _queries_per_tile(G: int) -> int:
-    """Queries whose G heads share one forward / dQ tile: about _TILE_ROWS rows below G = 16, one query from there.
+def _queries_per_tile(G: int, n_blocks: int, n: int) -> int:
+    """Queries whose G heads share one forward / dQ tile: about _TILE_ROWS rows below G = 16; from there one
+    query, or _TILE_ROWS // G with at most 8n blocks.
 
     Packing pays while it fills empty rows; at G >= 16 one query's heads already fill a 16-row tile, and each
-    added query widens the union of blocks the tile visits (measured at 64k with random selections: 4 queries
-    visit 50 blocks, not 16, and take 15% longer)."""
-    return max(1, _TILE_ROWS // G) if G < 16 else 1
+    added query widens the union of blocks the tile visits: with many blocks that costs more than the shared
+    loads save, with few the queries share most of theirs. Measured (H200, G = 16, D = 128, random selections,
+    selected fwd + bwd ops, 1 -> 4 queries): 4k (4n blocks) 2.97 -> 2.41 ms, 8k (8n) 5.78 -> 5.43; 16k 11.54 ->
+    12.33, 32k 25.08 -> 27.00; 2 queries were slower at every length."""
+    packed = max(1, _TILE_ROWS // G)
+    return packed if G < 16 or n_blocks <= 8 * n else 1
 
 
 def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor, Tensor]:
@@ -343,8 +352,9 @@ def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> 
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
-    QT = _queries_per_tile(G)
-    blocks, counts = _tile_blocks(block_indices, triton.cdiv(T, block_size), QT)
+    n_blocks = triton.cdiv(T, block_size)
+    QT = _queries_per_tile(G, n_blocks, n)
+    blocks, counts = _tile_blocks(block_indices, n_blocks, QT)
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
     tile = dict(IDX=block_indices, TILE_BLOCKS=blocks, TILE_COUNTS=counts, T=T, N_SEL=n, L=blocks.shape[3], H=H,
@@ -377,7 +387,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n):
-        n_items, items, _ = _item_args(q, k, block_indices, block_size)
+        n_items, items, _ = _item_args(q, k, block_indices, block_size, _ITEM_ROWS)
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
         _fwd_item_kernel[(n_items,)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E, num_warps=4,
@@ -407,16 +417,17 @@ def _reverse_index(block_indices: Tensor, n_blocks: int) -> tuple[Tensor, Tensor
     B, H, T, n = block_indices.shape
     device = block_indices.device
     n_segs = B * H * n_blocks
-    # 32-bit keys where they fit: a radix sort of half the passes (the sort was ~0.27 ms of an nsa-125m block's
-    # backward at 16 x 2048 in 64-bit, H200).
-    dtype = torch.int32 if n_segs * T * n < torch.iinfo(torch.int32).max else torch.int64
+    # A query chooses a block once, so seg * T + t is unique and orders the entries; the sort's indices give each
+    # entry's t * n + slot. 32-bit keys where they fit: a radix sort of half the passes (the sort was ~0.27 ms of
+    # an nsa-125m block's backward at 16 x 2048 with 64-bit keys, H200).
+    dtype = torch.int32 if n_segs * T < torch.iinfo(torch.int32).max else torch.int64
     seg = torch.arange(B * H, device=device).view(B, H, 1, 1) * n_blocks + block_indices
-    entry = torch.arange(T * n, device=device).view(1, 1, T, n)  # t * n + slot
-    key = torch.where(block_indices >= 0, seg * (T * n) + entry, torch.iinfo(dtype).max).to(dtype).flatten()
-    key = torch.sort(key).values  # the padding sorts last, past every segment
-    query_slot = key % (T * n)
+    t = torch.arange(T, device=device).view(1, 1, T, 1)
+    key = torch.where(block_indices >= 0, seg * T + t, torch.iinfo(dtype).max).to(dtype).flatten()
+    key, order = torch.sort(key)  # the padding sorts last, past every segment (its order is never read)
+    query_slot = order % (T * n)
     # Segment s holds the entries [bounds[s], bounds[s + 1]).
-    bounds = torch.searchsorted(key, (torch.arange(n_segs + 1, device=device) * (T * n)).to(dtype))
+    bounds = torch.searchsorted(key, (torch.arange(n_segs + 1, device=device) * T).to(dtype))
     n_items = (bounds[1:] - bounds[:-1] + _ITEM_QUERIES - 1) // _ITEM_QUERIES
     seg_items = torch.cat([n_items.new_zeros(1), torch.cumsum(n_items, 0)])
     # Each non-empty segment has one partial item at most: no more than this many items, whatever was chosen.
@@ -429,15 +440,15 @@ def _reverse_index(block_indices: Tensor, n_blocks: int) -> tuple[Tensor, Tensor
     return item_seg, item_start, item_end, query_slot, seg_items
 
 
-def _item_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[int, dict, Tensor]:
+def _item_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int, rows: int) -> tuple[int, dict, Tensor]:
     """Grid size, the keyword arguments the key-block-major kernels share (the work items, lengths,
-    meta-parameters) and each segment's item range (for the dK/dV reduction)."""
+    meta-parameters, `rows` per step at least) and each segment's item range (for the dK/dV reduction)."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
     n_blocks = triton.cdiv(T, block_size)
     item_seg, item_start, item_end, query_slot, seg_items = _reverse_index(block_indices, n_blocks)
-    rows = max(_ITEM_ROWS, triton.next_power_of_2(G))
+    rows = max(rows, triton.next_power_of_2(G))
     items = dict(ITEM_SEG=item_seg, ITEM_START=item_start, ITEM_END=item_end, QSLOT=query_slot, T=T, N_BLK=n_blocks,
                  N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G, BD=triton.next_power_of_2(D),
                  PRECISION=dot_precision(q.dtype), num_stages=2)
@@ -465,12 +476,14 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
-    key_major = _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n)
+    G = HQ // k.shape[2]
+    key_major = _key_major(G, triton.cdiv(T, block_size), n)
     dq = torch.empty_like(q)
     if not key_major:
         grid, tile = _tile_args(q, k, block_indices, block_size)
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
-    n_items, items, seg_items = _item_args(q, k, block_indices, block_size)
+    rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
+    n_items, items, seg_items = _item_args(q, k, block_indices, block_size, rows)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below.
