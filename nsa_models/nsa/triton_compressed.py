@@ -92,9 +92,10 @@ def _sees(n, t, NC, L: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _common_blocks(t0, NC, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr):
-    """Compressed blocks every query of a tile from t0 on sees, in whole key tiles: those tiles need no mask."""
-    return _n_visible(t0, NC, L, S) // BN * BN
+def _visible_range(t0, T, NC, L: tl.constexpr, S: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr):
+    """The compressed blocks of the query tile of QB positions from t0: [0, common) is seen by every query, in
+    whole key tiles (no mask needed), [common, end) by some."""
+    return _n_visible(t0, NC, L, S) // BN * BN, _n_visible(tl.minimum(t0 + QB, T) - 1, NC, L, S)
 
 
 @triton.jit
@@ -121,12 +122,11 @@ def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constex
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    common = _common_blocks(t0, NC, L, S, BN)
+    common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
     m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
                           PRECISION, MASKED=False)
-    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, common,
-                          _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), NC, d, d_ok, qk_scale, H, D, L, S,
-                          BN, PRECISION, MASKED=True)
+    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                          PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
@@ -157,24 +157,21 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.co
     t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
-    common = _common_blocks(t0, NC, L, S, BN)
+    common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
     dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
                   PRECISION, MASKED=False)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, common,
-                  _n_visible(tl.minimum(t0 + BM // GP, T) - 1, NC, L, S), NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
                   PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 @triton.jit
-def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, qk_scale, H: tl.constexpr,
+def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d, d_ok, qk_scale, H: tl.constexpr,
                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-               BD: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+               PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """Add the terms of the query steps from lo to hi (rows before `stop`) to a key tile's dk, dv; MASKED: mask
     the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it). Rows at
     or past `stop` add 0: their q, dO, lse and delta load as 0."""
-    d = tl.arange(0, BD)
-    d_ok = d < D
     for t0 in range(lo, hi, BM // GP):
         t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
         row_ok &= t < stop
@@ -210,10 +207,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1)
     sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1
     unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), BM // GP) * (BM // GP), stop)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, qk_scale, H, G, GP,
-                        D, L, S, BM, BD, PRECISION, MASKED=True)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, unmasked, stop, stop, T, NC, qk_scale, H, G, GP,
-                        D, L, S, BM, BD, PRECISION, MASKED=False)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, d, d_ok, qk_scale,
+                        H, G, GP, D, L, S, BM, PRECISION, MASKED=True)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, unmasked, stop, stop, T, NC, d, d_ok, qk_scale,
+                        H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
     tl.store(DK_PART + ptr, dk * scale, mask=mask)
