@@ -14,7 +14,7 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_selected import selected_attention_fwd
+from nsa_models.nsa.triton_selected import reverse_index, selected_attention, selected_attention_fwd
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -105,10 +105,12 @@ def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pa
     want_o, want_lse = reference_selected(q, k, v, idx), dense_lse(q, k, idx)
 
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    o, lse = selected_attention_fwd(q32, k32, v32, idx, BS, D ** -0.5)
+    o, lse = selected_attention_fwd(q32, k32, v32, idx, *reverse_index(idx, BS), BS, D ** -0.5)
     assert o.dtype == torch.float32 and lse.dtype == torch.float32
     assert rel_err(o, want_o) <= 1e-4
     assert rel_err(lse, want_lse) <= 1e-4
+    with torch.no_grad():  # no backward to follow: the query-tile forward builds no reverse index
+        assert torch.equal(selected_attention(q32, k32, v32, idx, BS, D ** -0.5), o)
 
     # The loss uses lse too, so its cotangent path (delta - dlse) is checked with the others.
     cot_o, cot_lse = torch.randn_like(want_o), torch.randn_like(want_lse)
@@ -147,4 +149,4 @@ def test_backend_matches_reference():
 def test_rejects_bad_block_size():
     q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16)
     with pytest.raises(ValueError, match="power of two"):
-        selected_attention_fwd(q, k, k, torch.zeros(1, 1, 8, 2, dtype=torch.int64), 24, 0.25)
+        selected_attention(q, k, k, torch.zeros(1, 1, 8, 2, dtype=torch.int64), 24, 0.25)

@@ -155,7 +155,7 @@ def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr,
                 BD: tl.constexpr):
     """This program's work item (grid: items): its query range [start, end) in the reverse index, batch, KV head,
     the key block's positions [BS] and keys/values [BS, BD], head-dim lanes and their validity, and which key
-    rows to store (none for items past the real count, see _reverse_index)."""
+    rows to store (none for items past the real count, see reverse_index)."""
     item = tl.program_id(0).to(tl.int64)
     seg = tl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
     start = tl.load(ITEM_START + item)
@@ -233,7 +233,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         if WITH_DQ:
             dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
-            tl.store(DQ_PART + (rows * N_SEL + slot)[:, None] * D + d[None, :], dq, mask=qd_mask)
+            tl.store(DQ_PART + (rows * N_SEL + slot)[:, None] * D + d[None, :], dq.to(DQ_PART.dtype.element_ty),
+                     mask=qd_mask)
     part = item * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
     tl.store(DK_PART + part, dk * scale, mask=used[:, None] & d_ok[None, :])
     tl.store(DV_PART + part, dv, mask=used[:, None] & d_ok[None, :])
@@ -377,21 +378,22 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
 
 
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
-def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
+def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
+                           query_slot: Tensor, seg_items: Tensor, block_size: int,
                            scale: float) -> tuple[Tensor, Tensor]:
-    """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key)."""
-    _check(q, k, v, block_indices, block_size)
+    """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
+    items, query_slot, seg_items: `reverse_index(block_indices, block_size)`."""
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n):
-        n_items, items, _ = _item_args(q, k, block_indices, block_size, _ITEM_ROWS)
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
-        _fwd_item_kernel[(n_items,)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E, num_warps=4,
-                                     **items)
+        item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS)
+        _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E,
+                                            num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
         grid, tile = _tile_args(q, k, block_indices, block_size)
@@ -400,21 +402,22 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
 
 
 @selected_attention_fwd.register_fake
-def _(q, k, v, block_indices, block_size, scale):
+def _(q, k, v, block_indices, items, query_slot, seg_items, block_size, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _reverse_index(block_indices: Tensor, n_blocks: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Work items over (batch, KV head, key block) -> the (query, slot) pairs that chose the block, in ascending
     query order (a query's chosen blocks must be distinct, as the selection gives them).
 
-    Returns per item its segment (b * H + h) * n_blocks + j and its [start, end) range in `query_slot` (entries
-    t * n + slot: the query and where the block sits in its list), and per segment the [first, last + 1) range of
-    its items. Sorting unique keys is deterministic. No device-to-host sync (so a backward can be captured in a
-    CUDA graph and the host never waits): the item count is bounded from the shapes, and the items past the real
-    count get empty ranges.
+    Returns `items` [3, max_items]: per item its segment (b * H + h) * n_blocks + j and its [start, end) range in
+    `query_slot` (entries t * n + slot: the query and where the block sits in its list); `query_slot`; and per
+    segment the [first, last + 1) range of its items. Sorting unique keys is deterministic. No device-to-host sync
+    (so a backward can be captured in a CUDA graph and the host never waits): the item count is bounded from the
+    shapes, and the items past the real count get empty ranges.
     """
     B, H, T, n = block_indices.shape
+    n_blocks = triton.cdiv(T, block_size)
     device = block_indices.device
     n_segs = B * H * n_blocks
     # A query chooses a block once, so seg * T + t is unique and orders the entries; the sort's indices give each
@@ -437,22 +440,20 @@ def _reverse_index(block_indices: Tensor, n_blocks: int) -> tuple[Tensor, Tensor
     item_start = bounds[item_seg] + (item - seg_items[item_seg]) * _ITEM_QUERIES
     item_end = torch.where(item < seg_items[-1], torch.minimum(item_start + _ITEM_QUERIES, bounds[item_seg + 1]),
                            item_start)
-    return item_seg, item_start, item_end, query_slot, seg_items
+    return torch.stack([item_seg, item_start, item_end]), query_slot, seg_items
 
 
-def _item_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int, rows: int) -> tuple[int, dict, Tensor]:
-    """Grid size, the keyword arguments the key-block-major kernels share (the work items, lengths,
-    meta-parameters, `rows` per step at least) and each segment's item range (for the dK/dV reduction)."""
+def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, rows: int) -> dict:
+    """The keyword arguments the key-block-major kernels share (grid: one program per item): the work items,
+    lengths and meta-parameters, `rows` per step at least."""
     B, T, HQ, D = q.shape
-    H, n = k.shape[2], block_indices.shape[3]
+    H = k.shape[2]
     G = HQ // H
-    n_blocks = triton.cdiv(T, block_size)
-    item_seg, item_start, item_end, query_slot, seg_items = _reverse_index(block_indices, n_blocks)
     rows = max(rows, triton.next_power_of_2(G))
-    items = dict(ITEM_SEG=item_seg, ITEM_START=item_start, ITEM_END=item_end, QSLOT=query_slot, T=T, N_BLK=n_blocks,
-                 N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G, BD=triton.next_power_of_2(D),
-                 PRECISION=dot_precision(q.dtype), num_stages=2)
-    return item_seg.numel(), items, seg_items
+    return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T,
+                N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D,
+                BS=block_size, BR=rows, QB=rows // G, BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype),
+                num_stages=2)
 
 
 def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: Tensor, lse: Tensor | None) -> None:
@@ -470,7 +471,8 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 
 @torch.library.custom_op("nsa::selected_attention_bwd", mutates_args=())
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
-                           block_indices: Tensor, block_size: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                           block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
+                           block_size: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
@@ -482,35 +484,38 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     if not key_major:
         grid, tile = _tile_args(q, k, block_indices, block_size)
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
+    n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
-    n_items, items, seg_items = _item_args(q, k, block_indices, block_size, rows)
+    item_args = _item_args(q, k, n, items, query_slot, block_size, rows)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
-    # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below.
-    dq_part = q.new_empty(B, T, HQ, n, D, dtype=torch.float32) if key_major else dk_part
+    # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
+    # fp32. The terms are stored in the input's precision, like the forward's per-slot outputs: they are
+    # [B, T, HQ, n, D], written once and read once (17 GB in fp32 at 32k with 64 heads, twice the bf16 traffic).
+    dq_part = q.new_empty(B, T, HQ, n, D) if key_major else dk_part
     # 8 warps with the dQ term: at 4 the compiler spills (38 registers at G = 3, D = 64; ptxas, sm_90a), and 8 ran
     # 1.3x faster (H200, 32k, G = 1). Without it 4 warps stay faster despite their smaller spill.
     _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part,
                                  qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=key_major,
-                                 num_warps=8 if key_major else 4, **items)
+                                 num_warps=8 if key_major else 4, **item_args)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    H, n_blocks = items["H"], items["N_BLK"]
+    H, n_blocks = item_args["H"], item_args["N_BLK"]
     _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D, BS=block_size,
-                                            BD=items["BD"], num_warps=4)
+                                            BD=item_args["BD"], num_warps=4)
     if key_major:
         _combine(dq_part, None, block_indices, dq, None)
     return dq, dk, dv
 
 
 @selected_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block_indices, block_size, scale):
+def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, block_size, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, block_size, scale = inputs
+    *tensors, block_size, scale = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, block_indices)
+    ctx.save_for_backward(o, lse, *tensors)
     ctx.block_size, ctx.scale = block_size, scale
 
 
@@ -522,10 +527,10 @@ def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, block_indices = ctx.saved_tensors
-    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), block_indices,
-                                        ctx.block_size, ctx.scale)
-    return dq, dk, dv, None, None, None
+    o, lse, q, k, v, *index = ctx.saved_tensors
+    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), *index, ctx.block_size,
+                                        ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -533,6 +538,17 @@ selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
                        scale: float | None = None) -> Tensor:
-    """NSA selected-branch output [B, T, HQ, D]; scale defaults to 1 / sqrt(D)."""
+    """NSA selected-branch output [B, T, HQ, D]; scale defaults to 1 / sqrt(D).
+
+    The reverse index is built here, once: the key-block-major forward and every backward use the same one (built
+    in each, its sort over B * H * T * n entries took ~2.8 ms per call at 32k, G = 1, H200). A forward by query
+    tiles with no backward to follow (evaluation) needs none and gets empty ones."""
+    _check(q, k, v, block_indices, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return selected_attention_fwd(q, k, v, block_indices, block_size, scale)[0]
+    B, T, HQ, _ = q.shape
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if backward or _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), block_indices.shape[3]):
+        index = reverse_index(block_indices.contiguous(), block_size)
+    else:
+        index = (block_indices.new_empty(3, 0), block_indices.new_empty(0), block_indices.new_empty(0))
+    return selected_attention_fwd(q, k, v, block_indices, *index, block_size, scale)[0]
