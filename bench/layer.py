@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_models import get_flavor  # noqa: E402
 from nsa_models.model import TransformerBlock, rope_cache  # noqa: E402
+from nsa_models.nsa import window_mask  # noqa: E402
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -44,12 +45,14 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
     block = TransformerBlock(0, args).to(device)
     block.init_weights(args.init_std, args.n_layers)
     rope = rope_cache(T, args.head_dim, args.rope_theta, device)
+    # Built once outside the block, as Transformer.forward does (inside, the compiled block would rebuild it).
+    mask = window_mask(T, args.nsa, device) if args.attention == "nsa" else None
     fn = torch.compile(block, fullgraph=True, dynamic=False) if compile else block
     x = torch.randn(batch, T, args.dim, device=device, requires_grad=True)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            out, _ = fn(x, rope)
+            out, _ = fn(x, rope, mask)
         out.float().square().mean().backward()
 
     for _ in range(2):  # warm-up (and compilation)
