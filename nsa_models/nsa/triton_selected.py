@@ -451,9 +451,8 @@ def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, 
     G = HQ // H
     rows = max(rows, triton.next_power_of_2(G))
     return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T,
-                N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D,
-                BS=block_size, BR=rows, QB=rows // G, BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype),
-                num_stages=2)
+                N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
+                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_stages=2)
 
 
 def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: Tensor, lse: Tensor | None) -> None:
@@ -545,7 +544,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, b
     tiles with no backward to follow (evaluation) needs none and gets empty ones."""
     _check(q, k, v, block_indices, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    B, T, HQ, _ = q.shape
+    T, HQ = q.shape[1], q.shape[2]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if backward or _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), block_indices.shape[3]):
         index = reverse_index(block_indices.contiguous(), block_size)
