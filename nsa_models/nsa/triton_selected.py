@@ -347,6 +347,11 @@ def _key_major(G: int, n_blocks: int, n: int) -> bool:
     return G < 16 and n_blocks > 4 * n
 
 
+def _is_key_major(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> bool:
+    """`_key_major` for these inputs' shapes (the public function and both ops must agree on it)."""
+    return _key_major(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
+
+
 def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
     lists and sizes, lengths, and meta-parameters."""
@@ -388,7 +393,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     n = block_indices.shape[3]
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), n):
+    if _is_key_major(q, k, block_indices, block_size):
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
         item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS)
@@ -478,7 +483,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
     G = HQ // k.shape[2]
-    key_major = _key_major(G, triton.cdiv(T, block_size), n)
+    key_major = _is_key_major(q, k, block_indices, block_size)
     dq = torch.empty_like(q)
     if not key_major:
         grid, tile = _tile_args(q, k, block_indices, block_size)
@@ -544,9 +549,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, b
     tiles with no backward to follow (evaluation) needs none and gets empty ones."""
     _check(q, k, v, block_indices, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    T, HQ = q.shape[1], q.shape[2]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if backward or _key_major(HQ // k.shape[2], triton.cdiv(T, block_size), block_indices.shape[3]):
+    if backward or _is_key_major(q, k, block_indices, block_size):
         index = reverse_index(block_indices.contiguous(), block_size)
     else:
         index = (block_indices.new_empty(3, 0), block_indices.new_empty(0), block_indices.new_empty(0))
