@@ -85,10 +85,15 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     assert rel_err(scores[finite], want_scores[finite]) <= 1e-5
     assert torch.equal(idx, select_blocks(p_cmp.float(), 0, T, l, d, lp, n))  # no near-ties at these sizes
     assert rel_err(entropy, want_entropy) <= 1e-5 if n_cmp else torch.equal(entropy, torch.zeros_like(entropy))
+    # 32-bit sort keys (taken for bf16 inputs) pick the same blocks: no scores here are within 2^-18 of each other.
+    monkeypatch.setattr(triton_compressed, "_wide_keys", lambda dtype, n_sel: False)
+    assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
 
 
-def test_many_queries_share_one_block_and_ties_break_low():
+@pytest.mark.parametrize("wide_keys", [True, False], ids=["64-bit-keys", "32-bit-keys"])
+def test_many_queries_share_one_block_and_ties_break_low(wide_keys: bool, monkeypatch):
     """Identical compressed keys give every block the same score: the lowest indices win, as the reference."""
+    monkeypatch.setattr(triton_compressed, "_wide_keys", lambda dtype, n_sel: wide_keys)
     args = NSAArgs(cmp_block_size=16, cmp_stride=16, sel_block_size=16, n_selected=4)
     B, T, H, G, D = 1, 160, 1, 2, 16
     q = torch.randn(B, T, H * G, D)

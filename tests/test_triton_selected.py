@@ -14,7 +14,7 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_selected import reverse_index, selected_attention, selected_attention_fwd
+from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -105,7 +105,7 @@ def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pa
     want_o, want_lse = reference_selected(q, k, v, idx), dense_lse(q, k, idx)
 
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    o, lse = selected_attention_fwd(q32, k32, v32, idx, *reverse_index(idx, BS), BS, D ** -0.5)
+    o, lse = selected_attention_fwd(q32, k32, v32, idx, *work_lists(q32, k32, idx, BS), BS, D ** -0.5)
     assert o.dtype == torch.float32 and lse.dtype == torch.float32
     assert rel_err(o, want_o) <= 1e-4
     assert rel_err(lse, want_lse) <= 1e-4

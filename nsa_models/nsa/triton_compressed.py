@@ -16,11 +16,12 @@ small G still fills the matrix-unit rows with positions.
   rows and no probability tile is transposed in registers.
 - Selection: recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed blocks
   to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
-  overlap that spills into the next tile), forces block 0 and the two most recent blocks, and writes one int64
-  sort key per candidate block: the fp32 score's bits above the complement of the block index, so that ranking
-  the keys orders by score and breaks ties towards the lower index, as the reference's stable sort. Each query
-  keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge).
-  The same pass gives each query head's compressed-attention entropy (telemetry).
+  overlap that spills into the next tile), forces block 0 and the two most recent blocks, and makes one sort
+  key per candidate block: the fp32 score's bits above the complement of the block index, so that ranking the
+  keys orders by score and breaks ties towards the lower index, as the reference's stable sort (64-bit keys, or
+  32-bit ones with the score's lowest bits dropped: `_wide_keys`). Each query keeps its top-n keys in registers,
+  merged with one tile of candidates at a time (a bitonic merge). The same pass gives each query head's
+  compressed-attention entropy (telemetry).
 """
 
 from __future__ import annotations
@@ -217,11 +218,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     tl.store(DV_PART + ptr, dv, mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL"])
-def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.constexpr, G: tl.constexpr,
-                   GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, SEL: tl.constexpr,
-                   BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   STORE_KEYS: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL", "IDX_BITS"])
+def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
+                   SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr):
     QB: tl.constexpr = BM // GP
     PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
     PB: tl.constexpr = L // S  # stride segments per compressed block
@@ -244,7 +245,10 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
     carry = tl.zeros([QB], tl.float32)
     plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
     # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
-    top = tl.full([QB, BJ], -1, tl.int64)
+    KEY: tl.constexpr = tl.int64 if WIDE_KEYS else tl.int32
+    top = tl.full([QB, BJ], -1, KEY)
+    idx_mask = (tl.full([], 1, KEY) << IDX_BITS) - 1  # a key's IDX_BITS low bits: the block index's complement
+    drop = 0 if WIDE_KEYS else IDX_BITS  # 32-bit keys give up the score's lowest bits to the index
     n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
     for j0 in range(0, n_cols, BJ):
         j = j0 + tl.arange(0, BJ)
@@ -270,14 +274,14 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, qk_scale, H: tl.
         score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
         # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
         bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
-        key = bits.to(tl.int64) * 4294967296 + (4294967295 - j[None, :].to(tl.int64))
+        key = ((bits >> drop).to(KEY) << IDX_BITS) | (idx_mask - j[None, :]).to(KEY)  # j: 64-bit, as the loop bound
         if STORE_KEYS:
             tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key, mask=(tq < T)[:, None] & (j < NS)[None, :])
         # Bitonic top-k: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
         # BJ largest of both as a bitonic sequence, which one merge (log2 BJ rounds) sorts descending again.
         top = tl.bitonic_merge(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
     rank = tl.arange(0, BJ)[None, :]
-    chosen = tl.where((top >= 0) & (rank < N_SEL), 4294967295 - (top & 4294967295), NS)  # NS: none
+    chosen = tl.where((top >= 0) & (rank < N_SEL), idx_mask - (top & idx_mask), NS)  # NS: none
     chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
     idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
     tl.store(IDX + idx_ptr, tl.where(chosen == NS, -1, chosen), mask=(tq < T)[:, None] & (rank < N_SEL))
@@ -380,6 +384,17 @@ def _backward(ctx, do, dlse):
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
+    """Whether the selection ranks by 64-bit sort keys (the whole fp32 score above the block index) rather than
+    32-bit ones, which keep the score's top 31 - b bits beside a b-bit index and halve the sort's and merge's work.
+
+    fp32 inputs (an exact `ieee` product) keep the exact ranking. Lower precisions take 32-bit keys while the
+    index needs at most 11 bits (up to 2048 selection blocks): scores then tie only within 2^-12 of each other
+    (and go to the lower index, as exact ties do), finer than the tf32 rounding (2^-11) their probabilities
+    already get in the overlap product."""
+    return dtype == torch.float32 or (n_sel - 1).bit_length() > 11
+
+
 def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
             scale: float, store_keys: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
@@ -395,9 +410,11 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     keys = torch.empty(B, H, T, n_sel, device=q.device, dtype=torch.int64) if store_keys else None
     # Selection blocks per tile: at least n (the running top-n is merged with one tile at a time).
     per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
+    wide = store_keys or _wide_keys(q.dtype, n_sel)
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
-    _select_kernel[grid](q, k, lse, idx, entropy, keys, T, NC, n_sel, n_selected, scale * _LOG2E, H=H, L=block,
-                         S=stride, SEL=sel_block, BJ=per_tile, STORE_KEYS=store_keys, **tiles, num_warps=4,
+    _select_kernel[grid](q, k, lse, idx, entropy, keys, T, NC, n_sel, n_selected,
+                         32 if wide else (n_sel - 1).bit_length(), scale * _LOG2E, H=H, L=block, S=stride,
+                         SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, **tiles, num_warps=4,
                          num_stages=2)
     return idx, entropy, keys
 

@@ -18,7 +18,8 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
 dK/dV (both layouts): without float atomics, so that the result is bitwise reproducible. A reverse index (key
 block -> the queries that chose it, ascending) is built with torch ops and cut into those work items, so that
 block 0 (chosen by every query) does not serialise the kernel; each item writes fp32 partial sums and a second
-kernel adds a block's items in order.
+kernel adds a block's items in order. The tiles' unions and the reverse index are built once per call
+(`work_lists`), outside the ops, and serve the forward and the backward.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ import triton.language as tl
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
-_ITEM_QUERIES = 256  # (query, slot) pairs per key-block work item: bounds the longest program
+# (query, slot) pairs per key-block work item: bounds the longest program (block 0 is chosen by every query). Fewer
+# items mean fewer fp32 dK/dV partial tiles to write and add. Measured (H200, selected fwd+bwd, 256 -> 1024): 1 x 32k
+# G = 3 D = 64 4.07 -> 3.53 ms, 4 x 8k G = 3 3.62 -> 3.35, 1 x 64k G = 3 8.06 -> 6.95, 32k G = 1 D = 128 44.4 -> 39.0,
+# G = 4 31.1 -> 29.4, 64k G = 16 52.5 -> 52.3, 8k G = 16 6.15 -> 6.22; 2048 and up lost at G = 3 and 8k G = 16.
+_ITEM_QUERIES = 1024
 _ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
 # Rows per step of the key-block-major dK/dV-and-dQ kernel (3 <= G < 16). Measured (H200, bwd op, 64 -> 128 rows):
 # G = 3 (4 x 8k, D = 64) 3.21 -> 2.83 ms, G = 4 (32k) 27.87 -> 23.12, G = 8 (32k) 26.00 -> 22.07; G = 2 even
@@ -352,20 +357,20 @@ def _is_key_major(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
     return _key_major(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
 
 
-def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[tuple[int, int], dict]:
+def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
+               block_size: int) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
-    lists and sizes, lengths, and meta-parameters."""
+    lists and sizes (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
-    n_blocks = triton.cdiv(T, block_size)
-    QT = _queries_per_tile(G, n_blocks, n)
-    blocks, counts = _tile_blocks(block_indices, n_blocks, QT)
+    QT = _queries_per_tile(G, triton.cdiv(T, block_size), n)
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
-    tile = dict(IDX=block_indices, TILE_BLOCKS=blocks, TILE_COUNTS=counts, T=T, N_SEL=n, L=blocks.shape[3], H=H,
-                G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
-                PRECISION=dot_precision(q.dtype), num_warps=2 if rows <= 16 else 4, num_stages=2)
+    tile = dict(IDX=block_indices, TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n,
+                L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
+                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_warps=2 if rows <= 16 else 4,
+                num_stages=2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
@@ -384,10 +389,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
 
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
-                           query_slot: Tensor, seg_items: Tensor, block_size: int,
-                           scale: float) -> tuple[Tensor, Tensor]:
+                           query_slot: Tensor, seg_items: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
+                           block_size: int, scale: float) -> tuple[Tensor, Tensor]:
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
-    items, query_slot, seg_items: `reverse_index(block_indices, block_size)`."""
+    items ... tile_counts: `work_lists(q, k, block_indices, block_size)`."""
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -396,18 +401,20 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     if _is_key_major(q, k, block_indices, block_size):
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
-        item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS)
+        # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2 (32k
+        # G = 3: 1.38 with 2, 1.48 with 3).
+        item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS, stages=3 if D > 64 else 2)
         _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E,
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, block_indices, block_size)
+        grid, tile = _tile_args(q, k, block_indices, tile_blocks, tile_counts, block_size)
         _fwd_kernel[grid](q, k, v, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
 
 @selected_attention_fwd.register_fake
-def _(q, k, v, block_indices, items, query_slot, seg_items, block_size, scale):
+def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, block_size, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -448,7 +455,8 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
     return torch.stack([item_seg, item_start, item_end]), query_slot, seg_items
 
 
-def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, rows: int) -> dict:
+def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, rows: int,
+               stages: int = 2) -> dict:
     """The keyword arguments the key-block-major kernels share (grid: one program per item): the work items,
     lengths and meta-parameters, `rows` per step at least."""
     B, T, HQ, D = q.shape
@@ -457,7 +465,7 @@ def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, 
     rows = max(rows, triton.next_power_of_2(G))
     return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T,
                 N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
-                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_stages=2)
+                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_stages=stages)
 
 
 def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: Tensor, lse: Tensor | None) -> None:
@@ -476,7 +484,8 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 @torch.library.custom_op("nsa::selected_attention_bwd", mutates_args=())
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                            block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
-                           block_size: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                           tile_blocks: Tensor, tile_counts: Tensor, block_size: int,
+                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
@@ -486,11 +495,13 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     key_major = _is_key_major(q, k, block_indices, block_size)
     dq = torch.empty_like(q)
     if not key_major:
-        grid, tile = _tile_args(q, k, block_indices, block_size)
+        grid, tile = _tile_args(q, k, block_indices, tile_blocks, tile_counts, block_size)
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
-    item_args = _item_args(q, k, n, items, query_slot, block_size, rows)
+    # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
+    # G = 4 29.4 -> 28.0); without it (G = 16) 2 (64k: 52.4 with 2, 53.3 with 3; 8k: 6.20, 6.41).
+    item_args = _item_args(q, k, n, items, query_slot, block_size, rows, stages=3 if key_major else 2)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
@@ -512,7 +523,8 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
 
 
 @selected_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, block_size, scale):
+def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, block_size,
+      scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -531,10 +543,10 @@ def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
 
 
 def _backward(ctx, do, dlse):
-    o, lse, q, k, v, *index = ctx.saved_tensors
-    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), *index, ctx.block_size,
-                                        ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None
+    o, lse, q, k, v, block_indices, *lists = ctx.saved_tensors
+    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), block_indices, *lists,
+                                        ctx.block_size, ctx.scale)
+    return dq, dk, dv, *[None] * (len(lists) + 3)  # block_indices, the work lists, block_size, scale
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -542,16 +554,29 @@ selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
                        scale: float | None = None) -> Tensor:
-    """NSA selected-branch output [B, T, HQ, D]; scale defaults to 1 / sqrt(D).
-
-    The reverse index is built here, once: the key-block-major forward and every backward use the same one (built
-    in each, its sort over B * H * T * n entries took ~2.8 ms per call at 32k, G = 1, H200). A forward by query
-    tiles with no backward to follow (evaluation) needs none and gets empty ones."""
+    """NSA selected-branch output [B, T, HQ, D]; scale defaults to 1 / sqrt(D)."""
     _check(q, k, v, block_indices, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if backward or _is_key_major(q, k, block_indices, block_size):
-        index = reverse_index(block_indices.contiguous(), block_size)
-    else:
-        index = (block_indices.new_empty(3, 0), block_indices.new_empty(0), block_indices.new_empty(0))
-    return selected_attention_fwd(q, k, v, block_indices, *index, block_size, scale)[0]
+    block_indices = block_indices.contiguous()
+    return selected_attention_fwd(q, k, v, block_indices, *work_lists(q, k, block_indices, block_size, backward),
+                                  block_size, scale)[0]
+
+
+def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
+               backward: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What the kernels iterate over, built once per call from the chosen blocks (torch ops: under torch.compile
+    they fuse into the caller's graph) and passed to both ops: the reverse index (`reverse_index`: the work items
+    of the key-block-major forward and of every backward's dK/dV) and, in the query-tile layout, each tile's
+    union of blocks (`_tile_blocks`: the forward's and the dQ kernel's). Built in each op instead, the backward
+    repeated the forward's (the reverse index's sort over B * H * T * n entries took ~2.8 ms per call at 32k,
+    G = 1, H200). A list a call does not use is empty: the reverse index of a query-tile forward with no
+    backward to follow (evaluation), the unions in the key-block-major layout."""
+    empty = block_indices.new_empty
+    key_major = _is_key_major(q, k, block_indices, block_size)
+    index = reverse_index(block_indices, block_size) if backward or key_major else (empty(3, 0), empty(0), empty(0))
+    if key_major:
+        return *index, empty(0), empty(0)
+    n_blocks = triton.cdiv(q.shape[1], block_size)
+    QT = _queries_per_tile(q.shape[2] // k.shape[2], n_blocks, block_indices.shape[3])
+    return *index, *_tile_blocks(block_indices, n_blocks, QT)
