@@ -401,8 +401,8 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     if _is_key_major(q, k, block_indices, block_size):
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
-        # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2 (32k
-        # G = 3: 1.38 with 2, 1.48 with 3).
+        # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2
+        # (G = 3, 4 x 8k: 1.38 with 2, 1.48 with 3; 1 x 64k: 2.64, 2.90).
         item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS, stages=3 if D > 64 else 2)
         _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E,
                                             num_warps=4, **item_args)
