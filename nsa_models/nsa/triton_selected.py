@@ -357,6 +357,11 @@ def _is_key_major(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
     return _key_major(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
 
 
+def _tile_queries(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> int:
+    """`_queries_per_tile` for these inputs' shapes (the tiles' unions and the kernels must agree on it)."""
+    return _queries_per_tile(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
+
+
 def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
                block_size: int) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
@@ -364,7 +369,7 @@ def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, tile_blocks: Tensor,
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
-    QT = _queries_per_tile(G, triton.cdiv(T, block_size), n)
+    QT = _tile_queries(q, k, block_indices, block_size)
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
     tile = dict(IDX=block_indices, TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n,
@@ -577,6 +582,5 @@ def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
     index = reverse_index(block_indices, block_size) if backward or key_major else (empty(3, 0), empty(0), empty(0))
     if key_major:
         return *index, empty(0), empty(0)
-    n_blocks = triton.cdiv(q.shape[1], block_size)
-    QT = _queries_per_tile(q.shape[2] // k.shape[2], n_blocks, block_indices.shape[3])
-    return *index, *_tile_blocks(block_indices, n_blocks, QT)
+    return *index, *_tile_blocks(block_indices, triton.cdiv(q.shape[1], block_size),
+                                 _tile_queries(q, k, block_indices, block_size))
