@@ -14,7 +14,8 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
+from nsa_models.nsa.triton_selected import (head_rows_operand, selected_attention, selected_attention_fwd,
+                                            work_lists)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -146,7 +147,22 @@ def test_backend_matches_reference():
         assert rel_err(g, w) <= 1e-4, f"grad of {name}: rel err {rel_err(g, w):.2e}"
 
 
-def test_rejects_bad_block_size():
+@pytest.mark.parametrize("block_size", [24, 512])
+def test_rejects_bad_block_size(block_size: int):
     q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16)
-    with pytest.raises(ValueError, match="power of two"):
-        selected_attention(q, k, k, torch.zeros(1, 1, 8, 2, dtype=torch.int64), 24, 0.25)
+    with pytest.raises(ValueError, match="power of two from 16 to 256"):
+        selected_attention(q, k, k, torch.zeros(1, 1, 8, 2, dtype=torch.int64), block_size, 0.25)
+
+
+def test_head_rows_operand():
+    """TMA descriptors: a misaligned base is copied, an empty tensor gets one zero row, and a head-dim row that is
+    not a multiple of 16 bytes is refused with the reason."""
+    x = torch.randn(2 * 5 * 2 * 8 + 1)[1:].view(2, 5, 2, 8)  # 4 bytes past a 16-byte boundary
+    desc = head_rows_operand(x, 16, True)
+    assert desc.base.data_ptr() % 16 == 0 and torch.equal(desc.base.view_as(x), x)
+    assert desc.shape == [2, 5, 16] and desc.block_shape == [1, 16, 8]
+    empty = head_rows_operand(x[:, :0], 16, True)
+    assert empty.shape == [2, 1, 16] and not empty.base.any()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        head_rows_operand(torch.zeros(1, 4, 1, 2), 16, True)
+    assert head_rows_operand(x, 16, False) is x

@@ -5,7 +5,8 @@ Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1
 
 A tile's rows are QB consecutive query positions x the G heads of one KV group, the heads padded to a power of
 two GP (row r is head r % GP of position t0 + r // GP), so every query of the group shares the loaded keys and a
-small G still fills the matrix-unit rows with positions.
+small G still fills the matrix-unit rows with positions. Key/value tiles come through TMA descriptors
+(`_kv_operands`), query rows through pointer loads (a tile's padded heads must read as zeros).
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
   tiles that some row of the tile cannot fully see are masked (the last ones of a query tile; in dK/dV the
@@ -30,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_models.nsa.triton_selected import (dot_precision, load_rows, online_softmax_update, softmax_delta,
-                                            softmax_output)
+from nsa_models.nsa.triton_selected import (dot_precision, head_rows_operand, load_head_rows, load_rows,
+                                            online_softmax_update, softmax_delta, softmax_output)
 
 _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
 _ROWS = 64  # rows (query positions x padded group heads) per tile
@@ -61,22 +63,22 @@ def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, 
 def _query_tile(T, NC, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                 BD: tl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads): first position, positions, rows and
-    their validity, head-dim lanes, the q/o mask, and the offset of its (batch, KV head) in the compressed keys."""
+    their validity, head-dim lanes, the q/o mask, its batch and KV head."""
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     t0 = tl.program_id(0).to(tl.int64) * (BM // GP)
     t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
     d = tl.arange(0, BD)
     d_ok = d < D
-    return t0, t, rows, row_ok, d, d_ok, row_ok[:, None] & d_ok[None, :], b * NC * H * D + h * D
+    return t0, t, rows, row_ok, d, d_ok, row_ok[:, None] & d_ok[None, :], b, h
 
 
 @triton.jit
-def _load_keys(K, V, kv_base, n, NC, d, d_ok, H: tl.constexpr, D: tl.constexpr):
-    """Compressed keys and values [BN, BD] of blocks n (zeros past the last block)."""
-    ptr = kv_base + n[:, None] * (H * D) + d[None, :]
-    mask = (n < NC)[:, None] & d_ok[None, :]
-    return tl.load(K + ptr, mask=mask, other=0.0), tl.load(V + ptr, mask=mask, other=0.0)
+def _load_keys(K, V, b, h, n0, NC, d, d_ok, BN: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Compressed keys and values [BN, BD] of blocks [n0, n0 + BN) of KV head h of batch b (zeros past the last
+    block), through TMA (`_kv_operands`)."""
+    return (load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, True),
+            load_head_rows(V, b, h, n0, NC, d, d_ok, BN, H, D, BD, True))
 
 
 @triton.jit
@@ -100,13 +102,14 @@ def _visible_range(t0, T, NC, L: tl.constexpr, S: tl.constexpr, QB: tl.constexpr
 
 
 @triton.jit
-def _fwd_keys(q, K, V, kv_base, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
-              L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _fwd_keys(q, K, V, b, h, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
+              L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr):
     """Fold compressed blocks [lo, hi) into the running softmax; MASKED: mask per row the blocks its query does
     not see yet (only the tile's last key tiles need it)."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         if MASKED:
             s = tl.where(_sees(n[None, :], t[:, None], NC, L, S), s, float("-inf"))
@@ -118,15 +121,15 @@ def _fwd_keys(q, K, V, kv_base, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: 
 def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BD: tl.constexpr, PRECISION: tl.constexpr):
-    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
-    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                           PRECISION, MASKED=False)
-    m, l, acc = _fwd_keys(q, K, V, kv_base, m, l, acc, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                           PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
@@ -134,14 +137,14 @@ def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constex
 
 
 @triton.jit
-def _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
-             D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-             MASKED: tl.constexpr):
+def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
+             D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+             PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """Add compressed blocks [lo, hi)'s terms to dq; MASKED as in _fwd_keys. Unmasked, a row past the sequence or
     a padded head adds 0: its q, dO, lse and delta load as 0."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.exp2(s - lse[:, None])
         if MASKED:
@@ -155,13 +158,13 @@ def _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, lo, hi, NC, d, d_ok, qk_sc
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                   PRECISION, MASKED=False)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, kv_base, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                   PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
@@ -198,8 +201,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     n = tile * BN + tl.arange(0, BN)
     d = tl.arange(0, BD)
     d_ok = d < D
-    kv_base = b * NC * H * D + h * D
-    k, v = _load_keys(K, V, kv_base, n, NC, d, d_ok, H, D)
+    k, v = _load_keys(K, V, b, h, tile * BN, NC, d, d_ok, BN, H, D, BD)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
     stop = tl.minimum(chunk * CHUNK + CHUNK, T)
@@ -212,6 +214,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
                         H, G, GP, D, L, S, BM, PRECISION, MASKED=True)
     dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, unmasked, stop, stop, T, NC, d, d_ok, qk_scale,
                         H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
+    kv_base = b * NC * H * D + h * D
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
     tl.store(DK_PART + ptr, dk * scale, mask=mask)
@@ -222,13 +225,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
 def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                    SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr):
+                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr):
     QB: tl.constexpr = BM // GP
     PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
     PB: tl.constexpr = L // S  # stride segments per compressed block
     BN: tl.constexpr = BJ * PS
     bh = tl.program_id(1).to(tl.int64)
-    t0, t, rows, row_ok, d, d_ok, qd_mask, kv_base = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
@@ -256,8 +259,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
         carry = tl.zeros([QB], tl.float32)
         if j0 * PS < n_vis:
             n = j0 * PS + tl.arange(0, BN)
-            k = tl.load(K + kv_base + n[:, None] * (H * D) + d[None, :], mask=(n < NC)[:, None] & d_ok[None, :],
-                        other=0.0)
+            k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
@@ -306,6 +308,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
         raise ValueError(f"compressed attention: stride d = {stride} must be a power of two dividing l = {block}")
 
 
+def _kv_operands(k: Tensor, v: Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The compressed keys' and values' TMA descriptors, `rows` blocks a box. TMA against pointer loads (H200,
+    op ms, forward / backward / selection): 64k, G = 16, D = 128: 10.87 / 29.12 / 13.57 -> 9.93 / 28.17 / 11.66;
+    32k, G = 1: 2.90 / 9.62 / 4.70 -> 2.67 / 9.29 / 4.77; nsa-125m (G = 3, D = 64) at 1 x 32k: 0.410 / 1.289 /
+    1.005 -> 0.392 / 1.262 / 1.004, at 16 x 2k: 0.102 / 0.226 / 0.131 -> 0.099 / 0.226 / 0.134."""
+    return head_rows_operand(k, rows, True), head_rows_operand(v, rows, True)
+
+
 @torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
 def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
                              scale: float) -> tuple[Tensor, Tensor]:
@@ -320,8 +330,8 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, k, v, o, lse, T, NC, scale * _LOG2E, H=H, L=block, S=stride, BN=_KEYS, **tiles,
-                      num_warps=4, num_stages=3)
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), o, lse, T, NC, scale * _LOG2E, H=H, L=block, S=stride,
+                      BN=_KEYS, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
 
@@ -348,7 +358,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     args = dict(H=H, L=block, S=stride, **tiles, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **args)
+        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block.
     n_tiles = triton.cdiv(NC, _KEYS_BWD)
@@ -357,8 +367,9 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dk_part = torch.empty(n_chunks, B, NC, H, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     if NC:
-        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, k, v, do, lse, delta, dk_part, dv_part, T, NC, chunk,
-                                                     scale * _LOG2E, scale, BN=_KEYS_BWD, **args)
+        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), do, lse, delta, dk_part,
+                                                     dv_part, T, NC, chunk, scale * _LOG2E, scale, BN=_KEYS_BWD,
+                                                     **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
 
@@ -412,10 +423,13 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
     wide = store_keys or _wide_keys(q.dtype, n_sel)
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
-    _select_kernel[grid](q, k, lse, idx, entropy, keys, T, NC, n_sel, n_selected,
+    # The keys through TMA (`_kv_operands`) while a tile's compressed blocks fit in one box (256 rows).
+    tile_keys = per_tile * sel_block // stride
+    tma = tile_keys <= 256
+    _select_kernel[grid](q, head_rows_operand(k, tile_keys, tma), lse, idx, entropy, keys, T, NC, n_sel, n_selected,
                          32 if wide else (n_sel - 1).bit_length(), scale * _LOG2E, H=H, L=block, S=stride,
-                         SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, **tiles, num_warps=4,
-                         num_stages=2)
+                         SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma, **tiles,
+                         num_warps=4, num_stages=2)
     return idx, entropy, keys
 
 

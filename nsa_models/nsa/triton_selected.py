@@ -9,7 +9,8 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   G >= 16 one query, or 4 with few blocks: `_queries_per_tile`), so small groups do not leave the matrix units'
   rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
   ops), masking per row the blocks that row's query did not choose: a key block is loaded once per tile instead
-  of once per query. dQ: same tiles, recomputing the probabilities from the log-sum-exp.
+  of once per query (through TMA at 16 rows a tile). dQ: same tiles, recomputing the probabilities from the
+  log-sum-exp.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
   each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _LOG2E = 1.4426950408889634
 # (query, slot) pairs per key-block work item: bounds the longest program (block 0 is chosen by every query). Fewer
@@ -46,14 +48,29 @@ _TILE_ROWS = 64  # rows (queries x heads) aimed at per forward / dQ tile
 
 
 @triton.jit
-def _load_block(K, V, kv_base, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-    """Positions [BS] and keys/values [BS, BD] of selection block `blk` of one (batch, KV head); block -1
+def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                   BD: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + ROWS) of head h of batch b of a [B, N, H, D] tensor, as [ROWS, BD]; rows outside
+    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand`) and the copy engine loads the
+    box (head-dim lanes past D may hold the next head's values: callers meet them with zero q / dO lanes and
+    never store them); else pointer loads."""
+    if TMA:
+        x = X.load([tl.cast(b, tl.int32), tl.cast(start, tl.int32), tl.cast(h * D, tl.int32)]).reshape(ROWS, BD)
+    else:
+        r = start + tl.arange(0, ROWS)
+        x = tl.load(X + (b * N + r)[:, None] * (H * D) + h * D + d[None, :],
+                    mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _load_block(K, V, b, h, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                BD: tl.constexpr, TMA: tl.constexpr):
+    """Positions [BS] and keys/values [BS, BD] of selection block `blk` of KV head h of batch b; block -1
     (padding) gives negative positions and zeros. No branch on `blk`: the loop stays a straight line, which the
     pipeliner can prefetch through."""
-    pos = blk * BS + u
-    kv_ptr = kv_base + pos[:, None] * (H * D) + d[None, :]
-    kv_mask = ((pos >= 0) & (pos < T))[:, None] & d_ok[None, :]
-    return pos, tl.load(K + kv_ptr, mask=kv_mask, other=0.0), tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
+    return (blk * BS + u, load_head_rows(K, b, h, blk * BS, T, d, d_ok, BS, H, D, BD, TMA),
+            load_head_rows(V, b, h, blk * BS, T, d, d_ok, BS, H, D, BD, TMA))
 
 
 @triton.jit
@@ -80,7 +97,7 @@ def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H: tl.constexpr, G: 
     """This program's query tile (grid: query tiles x batch * KV heads); row r is head r % G of query
     tile * QT + r // G. Returns the query positions [BM], the rows of [B * T * HQ] [BM], which rows exist [BM],
     each row's chosen blocks [BM, NP] (-1: none), the tile's number of union blocks, where its union list starts,
-    the head-dim lanes [BD] and their validity, key lanes [BS], and the offset of the (batch, KV head) in K/V."""
+    the head-dim lanes [BD] and their validity, key lanes [BS], the batch and the KV head."""
     tile = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -94,7 +111,7 @@ def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H: tl.constexpr, G: 
     tile_id = bh * tl.cdiv(T, QT) + tile
     d = tl.arange(0, BD)
     return (t, rows, row_ok, chosen, tl.load(TILE_COUNTS + tile_id), TILE_BLOCKS + tile_id * L, d, d < D,
-            tl.arange(0, BS), b * T * H * D + h * D)
+            tl.arange(0, BS), b, h)
 
 
 @triton.jit
@@ -107,8 +124,8 @@ def _visible(chosen, blk, pos, t):
 @triton.jit(do_not_specialize=["T", "N_SEL", "L"])  # one compile for every length
 def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, O, LSE, T, N_SEL, L, qk_scale, H: tl.constexpr,
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr,
-                NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    t, rows, row_ok, chosen, count, blocks, d, d_ok, u, kv_base = _query_tile(
+                NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
         IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -116,7 +133,7 @@ def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, O, LSE, T, N_SEL, L, qk_
     acc = tl.zeros([BM, BD], tl.float32)
     for i in range(count):
         blk = tl.load(blocks + i)
-        pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
+        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(_visible(chosen, blk, pos, t), s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
@@ -138,15 +155,16 @@ def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "N_SEL", "L"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, DQ, T, N_SEL, L, qk_scale, scale,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
-                   BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    t, rows, row_ok, chosen, count, blocks, d, d_ok, u, kv_base = _query_tile(
+                   BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                   TMA: tl.constexpr):
+    t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
         IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD)
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     for i in range(count):
         blk = tl.load(blocks + i)
-        pos, k, v = _load_block(K, V, kv_base, blk, u, d, d_ok, T, H, D, BS)
+        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.where(_visible(chosen, blk, pos, t), tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -362,20 +380,41 @@ def _tile_queries(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
     return _queries_per_tile(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
 
 
-def _tile_args(q: Tensor, k: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
+def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
+    """What `load_head_rows` reads x [B, N, H, D] through: with tma, its descriptor, one box = `rows` rows of one
+    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself."""
+    if not tma:
+        return x
+    B, N, H, D = x.shape
+    if D > 256 or H * D * x.element_size() % 16:
+        raise ValueError(f"NSA Triton kernels: head dim {D} must be at most 256, with H * D * element size = "
+                         f"{H * D * x.element_size()} bytes a multiple of 16 (a TMA descriptor's rows)")
+    if N == 0 or x.data_ptr() % 16:  # TMA needs a 16-byte aligned base
+        x = x.new_zeros(B, 1, H, D) if N == 0 else x.clone()
+    return TensorDescriptor(x.view(B, -1, H * D), [B, x.shape[1], H * D], [x.shape[1] * H * D, H * D, 1],
+                            [1, rows, triton.next_power_of_2(D)])
+
+
+def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
                block_size: int) -> tuple[tuple[int, int], dict]:
-    """Grid and the keyword arguments the forward and dQ kernels share: the chosen blocks, the tiles' union
-    lists and sizes (`work_lists`), lengths, and meta-parameters."""
+    """Grid and the keyword arguments the forward and dQ kernels share: the key/value descriptors, the chosen
+    blocks, the tiles' union lists and sizes (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
     QT = _tile_queries(q, k, block_indices, block_size)
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
-    tile = dict(IDX=block_indices, TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n,
-                L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
-                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_warps=2 if rows <= 16 else 4,
-                num_stages=2)
+    # Such a tile loads a key block per 16 rows and is bound by the L2 traffic of those loads: TMA moves them with
+    # fewer instructions and registers than pointer loads. Measured (H200, G = 16, D = 128, kernels alone,
+    # forward / dQ): 64k 16.56 / 17.21 -> 14.28 / 15.63 ms, 16k 4.09 / 4.20 -> 3.58 / 3.91. Tiles of 64 rows are
+    # not load-bound: 8k, G = 16 even (1.80 / 1.87 -> 1.78 / 1.87), nsa-125m's 16 x 2k, G = 3, D = 64 slower
+    # (selected fwd+bwd 2.72 -> 2.84), so they keep pointer loads.
+    tma = rows <= 16
+    tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
+                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n, L=tile_blocks.shape[3], H=H, G=G,
+                D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
+                PRECISION=dot_precision(q.dtype), TMA=tma, num_warps=2 if rows <= 16 else 4, num_stages=2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
@@ -388,8 +427,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
     if block_indices.shape[:3] != (B, H, T) or block_indices.dtype != torch.int64:
         raise ValueError(f"selected attention: block_indices must be int64 [B, H, T, n] = [{B}, {H}, {T}, n], "
                          f"got {block_indices.dtype} {tuple(block_indices.shape)}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"selected attention: block size {block_size} must be a power of two >= 16")
+    if not 16 <= block_size <= 256 or block_size & (block_size - 1):
+        raise ValueError(f"selected attention: block size {block_size} must be a power of two from 16 to 256 "
+                         "(the rows of a TMA box)")
 
 
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
@@ -413,8 +453,8 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, block_indices, tile_blocks, tile_counts, block_size)
-        _fwd_kernel[grid](q, k, v, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size)
+        _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
 
@@ -500,8 +540,11 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     key_major = _is_key_major(q, k, block_indices, block_size)
     dq = torch.empty_like(q)
     if not key_major:
-        grid, tile = _tile_args(q, k, block_indices, tile_blocks, tile_counts, block_size)
-        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size)
+        # 3 pipeline stages for tiles of 16 rows (load-bound): 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91 -> 3.72;
+        # 64-row tiles lose (8k, G = 16: 1.87 -> 2.49).
+        tile["num_stages"] = 3 if tile["BM"] <= 16 else 2
+        _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
     # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
