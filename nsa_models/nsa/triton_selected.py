@@ -58,8 +58,8 @@ def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constex
         x = X.load([tl.cast(b, tl.int32), tl.cast(start, tl.int32), tl.cast(h * D, tl.int32)]).reshape(ROWS, BD)
     else:
         r = start + tl.arange(0, ROWS)
-        x = tl.load(X + (b * N + r)[:, None] * (H * D) + h * D + d[None, :],
-                    mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
+        ptr = (b * N * H + h) * D + r[:, None] * (H * D) + d[None, :]  # the scalar part first: fewer registers
+        x = tl.load(X + ptr, mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
     return x
 
 
