@@ -88,6 +88,9 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     # 32-bit sort keys (taken for bf16 inputs) pick the same blocks: no scores here are within 2^-18 of each other.
     monkeypatch.setattr(triton_compressed, "_wide_keys", lambda dtype, n_sel: False)
     assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
+    # So do pointer loads of the keys (taken when a tile's blocks exceed one TMA box).
+    monkeypatch.setattr(triton_compressed, "_TMA_BOX_ROWS", 0)
+    assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
 
 
 @pytest.mark.parametrize("wide_keys", [True, False], ids=["64-bit-keys", "32-bit-keys"])

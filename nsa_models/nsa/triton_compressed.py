@@ -47,6 +47,7 @@ _BWD_PROGRAMS = 1024
 _BWD_CHUNK_MIN = 256
 _BWD_CHUNK_MAX = 2048
 _BWD_CHUNKS_MAX = 32
+_TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 
 
 @triton.jit
@@ -423,9 +424,9 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
     wide = store_keys or _wide_keys(q.dtype, n_sel)
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
-    # The keys through TMA (`_kv_operands`) while a tile's compressed blocks fit in one box (256 rows).
+    # The keys through TMA (measured: `_kv_operands`) while a tile's compressed blocks fit in one box.
     tile_keys = per_tile * sel_block // stride
-    tma = tile_keys <= 256
+    tma = tile_keys <= _TMA_BOX_ROWS
     _select_kernel[grid](q, head_rows_operand(k, tile_keys, tma), lse, idx, entropy, keys, T, NC, n_sel, n_selected,
                          32 if wide else (n_sel - 1).bit_length(), scale * _LOG2E, H=H, L=block, S=stride,
                          SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma, **tiles,
