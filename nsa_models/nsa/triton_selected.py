@@ -382,7 +382,8 @@ def _tile_queries(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
 
 def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
     """What `load_head_rows` reads x [B, N, H, D] through: with tma, its descriptor, one box = `rows` rows of one
-    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself."""
+    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself. Before Hopper (no TMA)
+    Triton compiles descriptor loads to pointer loads."""
     if not tma:
         return x
     B, N, H, D = x.shape
