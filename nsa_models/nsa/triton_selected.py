@@ -370,14 +370,10 @@ def _key_major(G: int, n_blocks: int, n: int) -> bool:
     return G < 16 and n_blocks > 4 * n
 
 
-def _is_key_major(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> bool:
-    """`_key_major` for these inputs' shapes (the public function and both ops must agree on it)."""
-    return _key_major(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
-
-
-def _tile_queries(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> int:
-    """`_queries_per_tile` for these inputs' shapes (the tiles' unions and the kernels must agree on it)."""
-    return _queries_per_tile(q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3])
+def _layout_shape(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[int, int, int]:
+    """(G, key blocks, n) of these inputs: what `_key_major` and `_queries_per_tile` decide from, so that the
+    public function, the work lists and both ops agree on the layout and the tiles."""
+    return q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3]
 
 
 def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
@@ -397,13 +393,13 @@ def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescrip
 
 
 def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-               block_size: int) -> tuple[tuple[int, int], dict]:
-    """Grid and the keyword arguments the forward and dQ kernels share: the key/value descriptors, the chosen
-    blocks, the tiles' union lists and sizes (`work_lists`), lengths, and meta-parameters."""
+               block_size: int, dq: bool) -> tuple[tuple[int, int], dict]:
+    """Grid and the keyword arguments of the forward (or, with dq, the dQ) kernel: the key/value descriptors, the
+    chosen blocks, the tiles' union lists and sizes (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
-    QT = _tile_queries(q, k, block_indices, block_size)
+    QT = _queries_per_tile(*_layout_shape(q, k, block_indices, block_size))
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
     # Such a tile loads a key block per 16 rows and is bound by the L2 traffic of those loads: TMA moves them with
@@ -415,7 +411,10 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
                 TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n, L=tile_blocks.shape[3], H=H, G=G,
                 D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
-                PRECISION=dot_precision(q.dtype), TMA=tma, num_warps=2 if rows <= 16 else 4, num_stages=2)
+                PRECISION=dot_precision(q.dtype), TMA=tma, num_warps=2 if rows <= 16 else 4,
+                # 3 pipeline stages for the dQ of load-bound 16-row tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91
+                # -> 3.72; 64-row tiles lose (8k, G = 16: 1.87 -> 2.49), and so did the forward's (14.28 -> 15.23).
+                num_stages=3 if dq and tma else 2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
@@ -444,7 +443,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     n = block_indices.shape[3]
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    if _is_key_major(q, k, block_indices, block_size):
+    if _key_major(*_layout_shape(q, k, block_indices, block_size)):
         o_part = q.new_empty(B, T, HQ, n, D)  # normalised per slot: the input's precision suffices
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
         # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2
@@ -454,7 +453,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=False)
         _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
@@ -538,13 +537,10 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
     G = HQ // k.shape[2]
-    key_major = _is_key_major(q, k, block_indices, block_size)
+    key_major = _key_major(*_layout_shape(q, k, block_indices, block_size))
     dq = torch.empty_like(q)
     if not key_major:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size)
-        # 3 pipeline stages for tiles of 16 rows (load-bound): 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91 -> 3.72;
-        # 64-row tiles lose (8k, G = 16: 1.87 -> 2.49).
-        tile["num_stages"] = 3 if tile["BM"] <= 16 else 2
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=True)
         _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
@@ -622,9 +618,9 @@ def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
     G = 1, H200). A list a call does not use is empty: the reverse index of a query-tile forward with no
     backward to follow (evaluation), the unions in the key-block-major layout."""
     empty = block_indices.new_empty
-    key_major = _is_key_major(q, k, block_indices, block_size)
+    G, n_blocks, n = _layout_shape(q, k, block_indices, block_size)
+    key_major = _key_major(G, n_blocks, n)
     index = reverse_index(block_indices, block_size) if backward or key_major else (empty(3, 0), empty(0), empty(0))
     if key_major:
         return *index, empty(0), empty(0)
-    return *index, *_tile_blocks(block_indices, triton.cdiv(q.shape[1], block_size),
-                                 _tile_queries(q, k, block_indices, block_size))
+    return *index, *_tile_blocks(block_indices, n_blocks, _queries_per_tile(G, n_blocks, n))
