@@ -91,6 +91,9 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     # So do pointer loads of the keys (taken when a tile's blocks exceed one TMA box).
     monkeypatch.setattr(triton_compressed, "_TMA_BOX_ROWS", 0)
     assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
+    # And the loop that skips unseen tiles (taken from G = 16, beyond these cases' groups).
+    monkeypatch.setattr(triton_compressed, "_PIPELINE_MAX_GP", 0)
+    assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
 
 
 @pytest.mark.parametrize("wide_keys", [True, False], ids=["64-bit-keys", "32-bit-keys"])
