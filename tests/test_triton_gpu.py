@@ -85,8 +85,9 @@ def test_backend_matches_reference(T: int, G: int, D: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backend_with_flex_window(dtype: torch.dtype):
-    check_backend(4113, 16, 128, HYPERS[0], dtype, "flex", separate=False)
+@pytest.mark.parametrize("T", [31, 4113])  # within one FlexAttention block, and past a multiple of the block
+def test_backend_with_flex_window(T: int, dtype: torch.dtype):
+    check_backend(T, 16, 128, HYPERS[0], dtype, "flex", separate=False)
 
 
 @pytest.mark.parametrize("G", [16, 2], ids=["query-tiles", "key-block-major"])

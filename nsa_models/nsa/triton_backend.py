@@ -26,6 +26,12 @@ from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_to
 from nsa_models.nsa.triton_selected import selected_attention
 
 
+# Below 128 queries FlexAttention picks its decoding kernel, whose lowering finds no valid configuration at G = 16,
+# D = 128 (torch 2.11, T = 31: "NoValidChoicesError"); the main kernel serves every length, and is what it picks
+# from 128 queries on anyway.
+_WINDOW_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
 def _compiled_flex():
     """flex_attention is only fused (and memory-lean) when compiled; compile it once, on first use."""
@@ -65,10 +71,9 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
-        if torch.compiler.is_compiling():  # traced into the caller's graph
-            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-        else:
-            out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
+        # Inside torch.compile flex_attention is traced into the caller's graph; eager calls take the compiled one.
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+        out = flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=_WINDOW_KERNEL_OPTIONS)
     else:
         t = torch.arange(T, device=q.device)
         mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
