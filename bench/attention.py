@@ -149,6 +149,8 @@ def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
     out = fn()  # the warm-up, and the cotangent's shape
     cotangent = torch.randn_like(out)
     out.backward(cotangent)
+    for x in grad_inputs:  # else the profile adds gradient accumulation that the timed runs do not have
+        x.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn().backward(cotangent)
         torch.cuda.synchronize()
