@@ -187,14 +187,12 @@ def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr,
     b, h = bh // H, bh % H
     d, u = tl.arange(0, BD), tl.arange(0, BS)
     d_ok = d < D
-    pos = j * BS + u
-    # (A vector & a loaded scalar's comparison trips the Triton interpreter, hence u against a scalar.)
+    # An item past the real count has an empty range: it runs no step and stores nothing. (A vector & a loaded
+    # scalar's comparison trips the Triton interpreter, hence u against a scalar.)
     used = u < tl.where(start < end, BS, 0)
-    kv_ptr = b * T * H * D + h * D + pos[:, None] * (H * D) + d[None, :]
-    kv_mask = ((pos < T) & used)[:, None] & d_ok[None, :]
-    k = tl.load(K + kv_ptr, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_ptr, mask=kv_mask, other=0.0)
-    return item, start, end, b, h, pos, used, k, v, d, d_ok
+    k = load_head_rows(K, b, h, j * BS, T, d, d_ok, BS, H, D, BD, False)
+    v = load_head_rows(V, b, h, j * BS, T, d, d_ok, BS, H, D, BD, False)
+    return item, start, end, b, h, j * BS + u, used, k, v, d, d_ok
 
 
 @triton.jit
