@@ -14,7 +14,8 @@ Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+bac
   l = l' = d = 64 with mean pooling, alone and plus the FlexAttention window (the spec's comparison).
 Ratios after each length; with --groups, the whole core at G = 1, 4, 16 (HQ = 64) and its model-FLOP rate;
 with --profile, where one fwd+bwd of the whole core spends its GPU time, per kernel (torch.profiler), and the
-compiler's resource report of each Triton kernel variant launched (registers per thread, spills, shared memory).
+compiler's resource report of each Triton kernel variant launched (registers per thread, spills, shared memory)
+and its occupancy.
 `oom` marks a row that ran out of memory.
 """
 
@@ -165,10 +166,28 @@ def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
     return "\n".join(lines) + f"\n(total {total / 1e3:.2f} ms of GPU time)\n"
 
 
+def programs_per_sm(warps: int, registers: int, shared_bytes: int, sm: dict[str, int]) -> tuple[int, str]:
+    """Occupancy by arithmetic, as the CUDA occupancy calculator counts it: how many programs of a kernel one SM
+    holds at once, and the resource that limits it. sm: the SM's "threads", "registers" and "shared" (bytes).
+    Registers are allocated per warp in units of 256; the driver reserves 1 KiB of shared memory per program."""
+    registers_per_warp = -(-registers * 32 // 256) * 256
+    limits = {"threads": sm["threads"] // (32 * warps),
+              "registers": sm["registers"] // (registers_per_warp * warps),
+              "shared memory": sm["shared"] // (shared_bytes + 1024)}
+    limit = min(limits, key=limits.get)
+    return limits[limit], limit
+
+
 def kernel_resources() -> str:
     """Markdown: per compiled variant of the backend's Triton kernels launched so far, its warps, pipeline stages,
-    registers per thread, spilled registers and shared memory (the compiler's metadata)."""
-    lines = ["| Triton kernel | warps | stages | registers | spills | shared KiB |", "|---|---|---|---|---|---|"]
+    registers per thread, spilled registers, shared memory (the compiler's metadata) and occupancy."""
+    device = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(device)
+    # Triton's per-program register limit; on sm_80 and sm_90 it equals the SM's register file.
+    sm = {"threads": props.max_threads_per_multi_processor, "shared": props.shared_memory_per_multiprocessor,
+          "registers": triton.runtime.driver.active.utils.get_device_properties(device)["max_num_regs"]}
+    lines = ["| Triton kernel | warps | stages | registers | spills | shared KiB | programs / SM (limit) |",
+             "|---|---|---|---|---|---|---|"]
     for module in (triton_compressed, triton_selected):
         for name, fn in vars(module).items():
             if not isinstance(fn, JITFunction):
@@ -176,9 +195,10 @@ def kernel_resources() -> str:
             for caches in fn.device_caches.values():
                 for kernel in caches[0].values():  # the compiled variants of this kernel
                     meta = kernel.metadata
-                    regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
+                    programs, limit = programs_per_sm(meta.num_warps, kernel.n_regs, meta.shared, sm)
                     lines.append(f"| {module.__name__.rsplit('.', 1)[-1]}.{name} | {meta.num_warps} | "
-                                 f"{meta.num_stages} | {regs} | {spills} | {meta.shared / 1024:.1f} |")
+                                 f"{meta.num_stages} | {kernel.n_regs} | {kernel.n_spills} | "
+                                 f"{meta.shared / 1024:.1f} | {programs} ({limit}) |")
     return "\n".join(lines) + "\n"
 
 
