@@ -168,10 +168,11 @@ def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
 
 def programs_per_sm(warps: int, registers: int, shared_bytes: int, sm: dict[str, int]) -> tuple[int, str]:
     """Occupancy by arithmetic, as the CUDA occupancy calculator counts it: how many programs of a kernel one SM
-    holds at once, and the resource that limits it. sm: the SM's "threads", "registers" and "shared" (bytes).
+    holds at once, and the limit that binds. sm: the SM's "threads", "registers" and "shared" (bytes).
     Registers are allocated per warp in units of 256; the driver reserves 1 KiB of shared memory per program."""
     registers_per_warp = -(-registers * 32 // 256) * 256
-    limits = {"threads": sm["threads"] // (32 * warps),
+    limits = {"programs": 32,  # the most resident programs (thread blocks) of one SM, sm_80 to sm_90
+              "threads": sm["threads"] // (32 * warps),
               "registers": sm["registers"] // (registers_per_warp * warps),
               "shared memory": sm["shared"] // (shared_bytes + 1024)}
     limit = min(limits, key=limits.get)
