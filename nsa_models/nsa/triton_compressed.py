@@ -67,7 +67,7 @@ def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, 
 
 
 @triton.jit
-def _query_tile(T, NC, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+def _query_tile(T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                 BD: tl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads): first position, positions, rows and
     their validity, head-dim lanes, the q/o mask, its batch and KV head."""
@@ -128,7 +128,7 @@ def _fwd_keys(q, K, V, b, h, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.
 def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BD: tl.constexpr, PRECISION: tl.constexpr):
-    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -165,7 +165,7 @@ def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, lo, hi, NC, d, d_ok, qk_scale
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
@@ -238,7 +238,7 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
     PB: tl.constexpr = L // S  # stride segments per compressed block
     BN: tl.constexpr = BJ * PS
     bh = tl.program_id(1).to(tl.int64)
-    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, NC, H, G, GP, D, BM, BD)
+    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
