@@ -79,22 +79,27 @@ def reference_selected(q, k, v, idx):
 # item_queries: (query, slot) pairs per key-block work item; small values split a block's queries over several.
 # layout: "key" runs the forward and dQ key-block-major; a number N runs them by query tiles of about N rows (1:
 # one query per tile; more: several queries over the union of their blocks, the last tile partly empty).
-@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,layout", [
-    (1, 10, 1, 3, "forced", 256, 64),  # T < l'
-    (1, 10, 1, 3, "forced", 256, "key"),
-    (2, 37, 2, 3, "random", 7, 1),     # T not a multiple of l', padding shuffled in
-    (2, 37, 2, 3, "random", 7, 12),
-    (2, 37, 2, 3, "random", 7, "key"),
-    (1, 80, 3, 4, "random", 256, 64),
-    (1, 80, 3, 4, "random", 256, "key"),
-    (1, 64, 4, 4, "all", 5, 1),        # many queries on every block
-    (1, 64, 4, 4, "all", 5, 64),
-    (1, 64, 4, 4, "all", 5, "key"),
+# dq_terms: with query tiles, dQ from the key-block-major dK/dV kernel's per-pair terms instead of the tiles.
+@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,layout,dq_terms", [
+    (1, 10, 1, 3, "forced", 256, 64, False),  # T < l'
+    (1, 10, 1, 3, "forced", 256, 64, True),
+    (1, 10, 1, 3, "forced", 256, "key", True),
+    (2, 37, 2, 3, "random", 7, 1, False),     # T not a multiple of l', padding shuffled in
+    (2, 37, 2, 3, "random", 7, 12, False),
+    (2, 37, 2, 3, "random", 7, 12, True),
+    (2, 37, 2, 3, "random", 7, "key", True),
+    (1, 80, 3, 4, "random", 256, 64, False),
+    (1, 80, 3, 4, "random", 256, "key", True),
+    (1, 64, 4, 4, "all", 5, 1, False),        # many queries on every block
+    (1, 64, 4, 4, "all", 5, 64, False),
+    (1, 64, 4, 4, "all", 5, 64, True),
+    (1, 64, 4, 4, "all", 5, "key", True),
 ])
 def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pattern: str, item_queries: int,
-                                              layout: int | str, monkeypatch):
+                                              layout: int | str, dq_terms: bool, monkeypatch):
     monkeypatch.setattr(triton_selected, "_ITEM_QUERIES", item_queries)
     monkeypatch.setattr(triton_selected, "_key_major", lambda G, n_blocks, n: layout == "key")
+    monkeypatch.setattr(triton_selected, "_dq_by_key_blocks", lambda G, n_blocks, n, D: dq_terms)
     if layout != "key":
         monkeypatch.setattr(triton_selected, "_TILE_ROWS", layout)
     gen = torch.Generator().manual_seed(T * 10 + G)

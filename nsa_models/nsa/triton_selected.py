@@ -10,7 +10,7 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
   ops), masking per row the blocks that row's query did not choose: a key block is loaded once per tile instead
   of once per query (through TMA at 16 rows a tile). dQ: same tiles, recomputing the probabilities from the
-  log-sum-exp.
+  log-sum-exp; or, where a tile's union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
   each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
@@ -39,10 +39,10 @@ _LOG2E = 1.4426950408889634
 # G = 4 31.1 -> 29.4, 64k G = 16 52.5 -> 52.3, 8k G = 16 6.15 -> 6.22; 2048 and up lost at G = 3 and 8k G = 16.
 _ITEM_QUERIES = 1024
 _ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
-# Rows per step of the key-block-major dK/dV-and-dQ kernel (3 <= G < 16). Measured (H200, bwd op, 64 -> 128 rows):
-# G = 3 (4 x 8k, D = 64) 3.21 -> 2.83 ms, G = 4 (32k) 27.87 -> 23.12, G = 8 (32k) 26.00 -> 22.07; G = 2 even
-# (30.97 / 31.03) and G = 1 slower (37.35 / 40.08), so those keep 64; so does G >= 16 (no dQ term, 4 warps:
-# 30.23 -> 38.70 at 64k).
+# Rows per step of the dK/dV kernel with the dQ term at G >= 3 and D > 64. Measured (H200, D = 128, bwd op, 64 ->
+# 128 rows on 8 warps): G = 4 (32k) 27.87 -> 23.12 ms, G = 8 (32k) 26.00 -> 22.07; G = 2 even (30.97 / 31.03) and
+# G = 1 slower (37.35 / 40.08), so those keep 64; so does D <= 64 (on 4 warps: see selected_attention_bwd) and the
+# kernel without the dQ term (4 warps: 30.23 -> 38.70 at 64k, G = 16).
 _ITEM_ROWS_DQ = 128
 _TILE_ROWS = 64  # rows (queries x heads) aimed at per forward / dQ tile
 
@@ -358,14 +358,30 @@ def _key_major(G: int, n_blocks: int, n: int) -> bool:
     """Whether the forward and dQ run key-block-major (Flash Sparse Attention's order: each key block with the
     queries that chose it, per-(query, slot) results merged afterwards) instead of by query tiles.
 
-    Below G = 16 once there are more than 4n blocks: a packed query tile then walks a union that grows with its
+    Below G = 16 once there are more than 2n blocks: a packed query tile then walks a union that grows with its
     queries' differing choices (random choices at 32k, G = 1: 233 blocks per tile, 16 of them useful per row),
     while key-block-major work is exactly the chosen pairs, at the price of per-slot partials in memory
-    ([B, T, HQ, n, D]). Measured (H200, nsa-125m's G = 3, fwd+bwd): tiles win at 2n and 4n blocks (2k, 4k), key
-    blocks from 8n (8k: 5.2 vs 5.9 ms; 32k: 5.7 vs 11.4 ms). G >= 16 keeps one query per tile: its heads fill the
-    rows, and writing and re-reading n partials per row would outweigh that (34 GB of fp32 dQ terms at the
-    benchmark shape, 64 heads at 64k)."""
-    return G < 16 and n_blocks > 4 * n
+    ([B, T, HQ, n, D]). At 2n blocks the first half of the queries choose every block they see, and the tiles
+    win. Measured (H200, bf16, random choices, selected fwd+bwd ms, tiles -> key blocks): 4n: 8 x 4k G = 3
+    D = 64 3.08 -> 2.94, 4 x 4k G = 4 D = 128 12.94 -> 12.48, G = 2 15.72 -> 15.31; 2n: 16 x 2k G = 3 D = 64
+    2.44 -> 2.70, 4 x 2k G = 1 D = 128 6.47 -> 7.91, 8 x 1k G = 8 3.66 -> 4.77. G >= 16 keeps query tiles: one
+    query's heads fill the rows, and writing and re-reading n partial outputs per row would outweigh that."""
+    return G < 16 and n_blocks > 2 * n
+
+
+def _dq_by_key_blocks(G: int, n_blocks: int, n: int, D: int) -> bool:
+    """Whether a query-tile forward's backward takes dQ from the key-block-major dK/dV kernel (each (query row,
+    chosen block) pair's dQ term, summed per row) instead of the tiles' dQ kernel (`_key_major` layouts always do).
+
+    The dQ kernel walks a tile's union of blocks; the key-block-major terms are exactly the chosen pairs but cost
+    a [B, T, HQ, n, D] write and read. The terms win once a tile holds several queries, except at head dim > 64
+    (terms twice as large) while the union stays tight: up to 4n blocks (2n below G = 16, where the tiles end).
+    Measured (H200, bf16, random choices, selected fwd+bwd ms, dQ kernel -> terms): D = 64: 16 x 2k G = 3 2.71
+    -> 2.43, 16 x 2k G = 1 3.18 -> 2.93; D = 128: 8k G = 16 6.28 -> 6.06, 6k G = 16 4.61 -> 4.58, but 4k
+    G = 16 2.88 -> 2.98, 4 x 2k G = 16 4.22 -> 4.76, 4 x 2k G = 1 6.44 -> 7.28. One-query tiles (G >= 16 past
+    8n blocks) keep the dQ kernel: even (32k: 23.90 -> 23.88; 64k: 46.62 -> 46.81) and 17 GB less memory at
+    64k with 64 heads."""
+    return _queries_per_tile(G, n_blocks, n) > 1 and (D <= 64 or n_blocks > 4 * n)
 
 
 def _layout_shape(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[int, int, int]:
@@ -535,32 +551,35 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
     G = HQ // k.shape[2]
-    key_major = _key_major(*_layout_shape(q, k, block_indices, block_size))
+    layout = _layout_shape(q, k, block_indices, block_size)
+    dq_terms = _key_major(*layout) or _dq_by_key_blocks(*layout, D)  # dQ from the dK/dV kernel's pairs
     dq = torch.empty_like(q)
-    if not key_major:
+    if not dq_terms:
         grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=True)
         _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
-    rows = _ITEM_ROWS_DQ if key_major and G >= 3 else _ITEM_ROWS
+    rows = _ITEM_ROWS_DQ if dq_terms and G >= 3 and D > 64 else _ITEM_ROWS
     # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
     # G = 4 29.4 -> 28.0); without it (G = 16) 2 (64k: 52.4 with 2, 53.3 with 3; 8k: 6.20, 6.41).
-    item_args = _item_args(q, k, n, items, query_slot, block_size, rows, stages=3 if key_major else 2)
+    item_args = _item_args(q, k, n, items, query_slot, block_size, rows, stages=3 if dq_terms else 2)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
     # fp32. The terms are stored in the input's precision, like the forward's per-slot outputs: they are
     # [B, T, HQ, n, D], written once and read once (17 GB in fp32 at 32k with 64 heads, twice the bf16 traffic).
-    dq_part = q.new_empty(B, T, HQ, n, D) if key_major else dk_part
-    # 8 warps with the dQ term: at 4 the compiler spills (38 registers at G = 3, D = 64; ptxas, sm_90a), and 8 ran
-    # 1.3x faster (H200, 32k, G = 1). Without it 4 warps stay faster despite their smaller spill.
+    dq_part = q.new_empty(B, T, HQ, n, D) if dq_terms else dk_part
+    # With the dQ term at D > 64, 8 warps: 4 spill, and 8 ran 1.3x faster (H200, 32k, G = 1). At D <= 64, 64 rows a
+    # step on 4 warps fit without spilling and beat 128 rows on 8 (H200, G = 3, selected fwd+bwd: 1 x 32k 3.44 ->
+    # 3.14 ms, 1 x 64k 6.73 -> 6.11; G = 1, 1 x 32k 4.62 -> 3.57). Without the term 4 warps stay faster despite
+    # their smaller spill.
     _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part,
-                                 qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=key_major,
-                                 num_warps=8 if key_major else 4, **item_args)
+                                 qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=dq_terms,
+                                 num_warps=8 if dq_terms and D > 64 else 4, **item_args)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     H, n_blocks = item_args["H"], item_args["N_BLK"]
     _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D, BS=block_size,
                                             BD=item_args["BD"], num_warps=4)
-    if key_major:
+    if dq_terms:
         _combine(dq_part, None, block_indices, dq, None)
     return dq, dk, dv
 
