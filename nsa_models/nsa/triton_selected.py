@@ -564,7 +564,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     item_args = _item_args(q, k, n, items, query_slot, block_size, rows, stages=3 if dq_terms else 2)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
-    # Key-block-major: the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
+    # With dq_terms the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
     # fp32. The terms are stored in the input's precision, like the forward's per-slot outputs: they are
     # [B, T, HQ, n, D], written once and read once (17 GB in fp32 at 32k with 64 heads, twice the bf16 traffic).
     dq_part = q.new_empty(B, T, HQ, n, D) if dq_terms else dk_part
