@@ -549,10 +549,9 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
-    n = block_indices.shape[3]
-    G = HQ // k.shape[2]
-    layout = _layout_shape(q, k, block_indices, block_size)
-    dq_terms = _key_major(*layout) or _dq_by_key_blocks(*layout, D)  # dQ from the dK/dV kernel's pairs
+    G, n_blocks, n = _layout_shape(q, k, block_indices, block_size)
+    # dQ from the dK/dV kernel's pairs, or from the query tiles' own kernel
+    dq_terms = _key_major(G, n_blocks, n) or _dq_by_key_blocks(G, n_blocks, n, D)
     dq = torch.empty_like(q)
     if not dq_terms:
         grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=True)
@@ -576,7 +575,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
                                  qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=dq_terms,
                                  num_warps=8 if dq_terms and D > 64 else 4, **item_args)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    H, n_blocks = item_args["H"], item_args["N_BLK"]
+    H = item_args["H"]
     _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D, BS=block_size,
                                             BD=item_args["BD"], num_warps=4)
     if dq_terms:
