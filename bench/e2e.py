@@ -11,9 +11,10 @@ the first flavor to the second per T, on top of the sweep's own table and files.
 
 Each optimizer step ends in a device sync (the trainer's finiteness check), so with one micro-batch per step
 (`--set training.global_batch_tokens` = --tokens-per-micro-batch) the host cannot run ahead into the next step:
-at short T, where the host needs 60-85% of an NSA step's GPU time to enqueue it, a slower host then shows as a
-slower run (nsa-125m at 2k: 0.57-0.65 of dense by run with one micro-batch, 0.64-0.65 with four;
-docs/PERFORMANCE.md, session 15). Compare with several micro-batches per step, or repeat the runs.
+at short T, where enqueueing an NSA step takes the host most of the step's GPU time (nsa-125m, 16 x 2048, H200:
+57-87 ms of ~100 ms), a slower host then shows as a slower run (there 0.57-0.65 of dense by run with one
+micro-batch per step, 0.64-0.65 with four; docs/PERFORMANCE.md, session 15). Compare with several micro-batches
+per step, or repeat the runs.
 """
 
 from __future__ import annotations
