@@ -34,10 +34,11 @@ def reference(q, k, v, args):
             entropy.permute(0, 3, 1, 2).reshape(B, T, HQ))
 
 
-# (B, T, H, G, D, l/d/l', n, keys per tile): T < l, T not a multiple of any block, G of 1, 2, 3 (padded to 4)
-# and 4, both overlap patterns (l = 2d and l = d = l'), n above the candidate count (padding), D not a power of
-# two, and small tiles so that loops run over several key tiles (the selection's overlap carried across them)
-# and reach the unmasked tiles (whose padded-head rows and rows past T must add nothing).
+# (B, T, H, G, D, l/d/l', n, keys per tile): T < l, T not a multiple of any block, G of 1, 2, 3 (forward and dQ
+# tiles of 21 positions x 3 heads; dK/dV and the selection pad to 4) and 4, both overlap patterns (l = 2d and
+# l = d = l'), n above the candidate count (padding), D not a power of two, and small tiles so that loops run over
+# several key tiles (the selection's overlap carried across them) and reach the unmasked tiles (whose unused rows
+# and rows past T must add nothing).
 CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
          (2, 37, 1, 1, 16, (16, 16, 16), 4, 64),
          (1, 70, 2, 3, 16, (32, 16, 16), 3, 64),

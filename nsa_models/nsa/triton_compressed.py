@@ -3,10 +3,12 @@
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
 Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t.
 
-A tile's rows are QB consecutive query positions x the G heads of one KV group, the heads padded to a power of
-two GP (row r is head r % GP of position t0 + r // GP), so every query of the group shares the loaded keys and a
-small G still fills the matrix-unit rows with positions. Key/value tiles come through TMA descriptors
-(`_kv_operands`), query rows through pointer loads (a tile's padded heads must read as zeros).
+A tile's rows are QB consecutive query positions x the G heads of one KV group (row r is head r % GP of position
+t0 + r // GP, QB = BM // GP), so every query of the group shares the loaded keys and a small G still fills the
+matrix-unit rows with positions. The forward and dQ take GP = G (21 positions, 63 rows at G = 3); dK/dV and
+the selection pad the heads to a power of two GP (unpadded, dK/dV spills; the selection's group sum reshapes the
+rows into [QB, GP]). Key/value tiles come through TMA descriptors (`_kv_operands`), query rows through pointer
+loads (a tile's unused rows must read as zeros).
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
   tiles that some row of the tile cannot fully see are masked (the last ones of a query tile; in dK/dV the
@@ -62,7 +64,7 @@ def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, 
     r = tl.arange(0, BM)
     t = t0 + r // GP
     g = r % GP
-    ok = (g < G) & (t < T)
+    ok = (g < G) & (t < T) & (r < BM // GP * GP)  # the rows past QB whole positions are unused
     return t, (b * T + t) * (H * G) + h * G + g, ok
 
 
@@ -299,9 +301,14 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
     tl.store(ENT + rows, (lse - plogp_sum) * 0.6931471805599453, mask=row_ok)
 
 
-def _tiling(G: int, D: int, dtype: torch.dtype) -> dict:
-    """Padded group size, padded head dim and the dot precision (exact fp32 for fp32 inputs)."""
-    GP = triton.next_power_of_2(G)
+def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict:
+    """Rows per query position (G, or the next power of two with pad_heads), padded head dim and the dot
+    precision (exact fp32 for fp32 inputs).
+
+    G rows a position instead of 4 at G = 3 (H200, bf16, kernel ms, forward / dQ): nsa-125m (D = 64) 16 x 2k
+    0.097 / 0.089 -> 0.078 / 0.073, 1 x 32k 0.384 / 0.388 -> 0.305 / 0.317, 1 x 64k 1.36 / 1.40 -> 1.06 / 1.13;
+    1 x 32k, D = 128 2.38 / 2.86 -> 1.85 / 2.22."""
+    GP = triton.next_power_of_2(G) if pad_heads else G
     if GP > _ROWS:
         raise ValueError(f"compressed attention: GQA group size {G} is above {_ROWS}")
     return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=dot_precision(dtype))
@@ -364,12 +371,14 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     tiles = _tiling(HQ // H, D, q.dtype)
-    args = dict(H=H, L=block, S=stride, **tiles, num_warps=4, num_stages=2)
+    args = dict(H=H, L=block, S=stride, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **args)
+        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
-    # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block.
+    # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
+    # keep the heads padded to a power of two: with G rows a position (G = 3) it spilled 104 registers at D = 64
+    # (none padded) and 140 at D = 128 (18 padded), and ran 1.4-1.6x slower (H200: 1 x 32k, D = 64, 0.83 -> 1.15 ms).
     n_tiles = triton.cdiv(NC, _KEYS_BWD)
     chunk = _dkdv_chunk(T, n_tiles, B * H)
     n_chunks = triton.cdiv(T, chunk)
@@ -378,7 +387,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     if NC:
         _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), do, lse, delta, dk_part,
                                                      dv_part, T, NC, chunk, scale * _LOG2E, scale, BN=_KEYS_BWD,
-                                                     **args)
+                                                     **_tiling(HQ // H, D, q.dtype, pad_heads=True), **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
 
@@ -423,7 +432,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
         raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
                          "l' + d (a compressed block overlaps at most two selection blocks)")
     q, k, lse = q.contiguous(), k.contiguous(), lse.contiguous()
-    tiles = _tiling(HQ // H, D, q.dtype)
+    tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
     n_sel = triton.cdiv(T, sel_block)
     idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
     entropy = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
