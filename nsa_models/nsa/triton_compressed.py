@@ -39,7 +39,7 @@ from nsa_models.nsa.triton_selected import (dot_precision, head_rows_operand, lo
                                             online_softmax_update, softmax_delta, softmax_output)
 
 _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
-_ROWS = 64  # rows (query positions x padded group heads) per tile
+_ROWS = 64  # rows per tile: query positions x the group's heads (padded to a power of two in dK/dV and the selection)
 _KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
 _KEYS_BWD = 64  # compressed blocks per dK/dV program: each query row loaded serves this many keys
 # Query positions per dK/dV program: enough programs to fill the GPU at short T (about _BWD_PROGRAMS: several per
