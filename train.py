@@ -38,6 +38,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, ConfigError) else 4 if isinstance(e, TrainingDiverged) else e.exit_code
 
 
+# window_backend -> (the module it imports, the pip package that provides it)
+_WINDOW_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` (dotted) is installed, without importing it (a missing parent package counts as missing)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 class TrainingDiverged(Exception):
     """`training.max_skipped_steps` steps in a row had a non-finite loss or gradient norm."""
 
@@ -210,7 +224,7 @@ class Trainer:
 
     def _check_nsa_backend(self, built: dict) -> None:
         """The chosen NSA backend must be able to run here: no silent fallback to another one."""
-        import importlib.util
+        import torch
 
         nsa = self.config.model.nsa
         if self.config.model.attention != "nsa" or nsa.backend == "reference":
@@ -221,9 +235,13 @@ class Trainer:
         if self.device.type != "cuda":
             raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
                               f"{self.device.type}): set --model.nsa.backend reference")
-        if nsa.window_backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("model.nsa.window_backend = 'flash_attn' but flash-attn is not installed: "
-                              "pip install flash-attn, or set it to 'flex' or 'sdpa'")
+        module, package = _WINDOW_PACKAGES.get(nsa.window_backend, (None, None))
+        if module is not None and not _importable(module):
+            raise ConfigError(f"model.nsa.window_backend = {nsa.window_backend!r} but {package} is not installed: "
+                              f"pip install {package}, or set it to 'flex' or 'sdpa'")
+        if nsa.window_backend == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
+            raise ConfigError("model.nsa.window_backend = 'flash_attn_4' runs bf16 only: set "
+                              "training.mixed_precision = 'bf16' (or 'auto'), or window_backend = 'flex'")
 
     def _autocast(self):
         import torch

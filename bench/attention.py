@@ -2,10 +2,12 @@
 
     python bench/attention.py                       # T = 8k, 16k, 32k, 64k, then G = 1, 4, 16 at 32k
     python bench/attention.py --seq-lens 8192 --groups
+    python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention, selection (scores + top-n, forward only: not
-  differentiated), selected attention (n=16 random valid blocks), sliding window (FlexAttention);
+  differentiated), selected attention (n=16 random valid blocks), sliding window (--window-backend: FlexAttention
+  by default, or FlashAttention-4);
 - `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
   and `compiled` (torch.compile, fullgraph, the window mask built once outside, as the model runs it: the gating,
   softmax-delta and cast glue fuse). The ratios, the group sweep and --profile use the compiled core;
@@ -46,6 +48,7 @@ from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 # backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
 # does; with the default ("reference") it returned None and the core rebuilt the mask on every call (O(T^2)).
 NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512, backend="triton")
+FLEX_WINDOW = NSAArgs(window_size=512, backend="triton", window_backend="flex")  # fla's window, the spec's comparison
 CORE = "NSA triton backend, compiled"
 
 
@@ -114,7 +117,7 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     rows.append(("selected (triton)",
                  *time_ms(lambda: selected_attention(q, k, v, idx, NSA.sel_block_size), [q, k, v])))
     del idx, lse
-    rows.append(("window 512 (flex)", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
+    rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
 
@@ -140,8 +143,9 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
         def fla_nsa():
             return parallel_nsa(q, k, v, g_cmp, g_slc, None, block_counts=NSA.n_selected, block_size=64)
         rows.append(("fla parallel_nsa (cmp+slc, 64/64/64)", *time_ms(fla_nsa, [q, k, v, g_cmp, g_slc])))
-        rows.append(("fla parallel_nsa + flex window", *time_ms(lambda: fla_nsa() + window_attention(q, k, v, NSA),
-                                                               [q, k, v, g_cmp, g_slc])))
+        def fla_with_window():
+            return fla_nsa() + window_attention(q, k, v, FLEX_WINDOW)
+        rows.append(("fla parallel_nsa + flex window", *time_ms(fla_with_window, [q, k, v, g_cmp, g_slc])))
     return rows
 
 
@@ -223,6 +227,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
+    parser.add_argument("--window-backend", choices=["flex", "flash_attn_4"], default="flex",
+                        help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
     parser.add_argument("--profile", action="store_true",
                         help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
@@ -231,6 +237,7 @@ def main() -> None:
     # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
+    NSA.window_backend = args.window_backend  # before anything compiles the core
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "

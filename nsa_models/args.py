@@ -34,9 +34,10 @@ class NSAArgs:
     """Give each branch (cmp, slc, win) its own K/V projection, as the paper does; False shares one."""
     backend: Literal["reference", "triton"] = "reference"
     """Implementation of the attention core: `reference` (vectorised PyTorch, any device) or `triton`."""
-    window_backend: Literal["flex", "sdpa", "flash_attn"] = "flex"
-    """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA or flash-attn's
-    window_size. The `reference` backend computes the window itself and ignores this key."""
+    window_backend: Literal["flex", "sdpa", "flash_attn", "flash_attn_4"] = "flex"
+    """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
+    window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
+    docs/PERFORMANCE.md). The `reference` backend computes the window itself and ignores this key."""
     query_chunk: int = 512
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
 

@@ -7,9 +7,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from nsa_models.args import NSAArgs
+from train import Trainer, _importable
+from training.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 # Small steps: 4 sequences of 128 tokens of the debug model.
@@ -103,6 +108,27 @@ def test_runtime_errors_are_one_line(tmp_path, args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-2000:]
+
+
+def test_importable_checks_submodules_without_failing_on_a_missing_parent():
+    """The window-package check: a dotted module whose parent package is missing reads as not installed."""
+    assert _importable("json.decoder")
+    assert not _importable("json.no_such_module")
+    assert not _importable("no_such_package.cute")
+
+
+@pytest.mark.gpu
+def test_flash_attn_4_window_needs_bf16_compute():
+    """The FA4 window takes bf16 only: an fp32 plan is a one-line config error before anything is built."""
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+    from nsa_models.nsa.core import BACKENDS
+
+    nsa = NSAArgs(backend="triton", window_backend="flash_attn_4")
+    plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
+                           device=torch.device("cuda"), compute_dtype=torch.float32)
+    with pytest.raises(ConfigError, match="window_backend = 'flash_attn_4' runs bf16 only"):
+        Trainer._check_nsa_backend(plan, BACKENDS)
+    Trainer._check_nsa_backend(SimpleNamespace(**{**vars(plan), "compute_dtype": torch.bfloat16}), BACKENDS)
 
 
 def test_print_config_round_trips(tmp_path):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
+from nsa_models.nsa.fa4_window import fa4_window_attention
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
@@ -91,6 +92,25 @@ def test_backend_with_flex_window(T: int, dtype: torch.dtype):
     check_backend(T, 16, 128, HYPERS[0], dtype, "flex", separate=False)
 
 
+def needs_flash_attn_4() -> None:
+    """flash-attn-4 is an optional package (pyproject's `flash4` extra); the device runs carry it."""
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+
+
+@pytest.mark.parametrize("T", [1, 31, 1000, 4113])  # FA4 takes bf16 / fp16 only
+@pytest.mark.parametrize("G,D", [(1, 128), (3, 64), (16, 128)])
+def test_backend_with_flash_attn_4_window(T: int, G: int, D: int):
+    needs_flash_attn_4()
+    check_backend(T, G, D, HYPERS[0], torch.bfloat16, "flash_attn_4", separate=T == 1000)
+
+
+def test_flash_attn_4_window_rejects_fp32():
+    needs_flash_attn_4()
+    q = torch.randn(1, 64, 4, 64, device="cuda")
+    with pytest.raises(ValueError, match="window_backend = 'flash_attn_4'.*bf16"):
+        fa4_window_attention(q, q[:, :, :2], q[:, :, :2], 512)
+
+
 @pytest.mark.parametrize("G", [16, 2], ids=["query-tiles", "key-block-major"])
 def test_long_sequence_forward_and_deterministic_backward(G: int):
     """T = 65536: forward against the reference's selected branch; backward finite and bitwise reproducible."""
@@ -147,11 +167,13 @@ def test_compressed_long_sequence():
     assert_valid_selection(idx, scores, 16, tol=1e-3)
 
 
-@pytest.mark.parametrize("window_backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("window_backend", ["flex", "sdpa", "flash_attn_4"])
 def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_backend: str):
     """The whole backend under torch.compile(fullgraph=True): no graph break, the eager result; and with the
-    FlexAttention window its backward run twice gives bitwise the same gradients (the masked-SDPA window runs
-    the memory-efficient kernel, whose backward is not bitwise reproducible)."""
+    FlexAttention or FA4 window its backward run twice gives bitwise the same gradients (the masked-SDPA window
+    runs the memory-efficient kernel, whose backward is not bitwise reproducible)."""
+    if window_backend == "flash_attn_4":
+        needs_flash_attn_4()
     args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512,
                    window_backend=window_backend)
     leaves = make_leaves(1, 2000, 2, 4, 64, args, torch.bfloat16, separate=False)
@@ -166,7 +188,7 @@ def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_ba
     eager_grads = torch.autograd.grad(eager, leaves)
     for e, c in zip(eager_grads, torch.autograd.grad(compiled, leaves)):
         assert rel_err(c, e) <= 1e-2
-    if window_backend == "flex":
+    if window_backend != "sdpa":
         again = torch.autograd.grad(loss(*leaves)[0], leaves)
         assert all(torch.equal(a, b) for a, b in zip(eager_grads, again))
 

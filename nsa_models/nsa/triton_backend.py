@@ -7,8 +7,9 @@ Same contract as `nsa_reference`. Branches:
 - selection scores and top-n: `triton_compressed.select_topn` (custom op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward);
-- sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`) or flash-attn (`"flash_attn"`).
-  FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) always take the SDPA path.
+- sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
+  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4_window`; Hopper and newer). FlexAttention has no CPU
+  backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from nsa_models.args import NSAArgs
+from nsa_models.nsa.fa4_window import fa4_window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
 
@@ -67,7 +69,10 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
         except ImportError as e:
             raise ImportError("model.nsa.window_backend = 'flash_attn' needs the flash-attn package "
                               "(pip install flash-attn); or set it to 'flex' or 'sdpa'") from e
-        return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0))
+        # deterministic: its backward without atomics, as every other NSA kernel here
+        return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=True)
+    if args.window_backend == "flash_attn_4":
+        return fa4_window_attention(q, k, v, w)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
