@@ -43,7 +43,8 @@ _WINDOW_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": 
 
 
 def _importable(module: str) -> bool:
-    """Whether `module` (dotted) is installed, without importing it (a missing parent package counts as missing)."""
+    """Whether `module` (dotted) is installed, without importing it (its parent package is imported; a missing
+    parent counts as missing)."""
     import importlib.util
 
     try:

@@ -69,7 +69,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
         except ImportError as e:
             raise ImportError("model.nsa.window_backend = 'flash_attn' needs the flash-attn package "
                               "(pip install flash-attn); or set it to 'flex' or 'sdpa'") from e
-        # deterministic: its backward without atomics, as every other NSA kernel here
+        # deterministic: a bitwise-repeatable backward, as every other NSA kernel here has
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=True)
     if args.window_backend == "flash_attn_4":
         return fa4_window_attention(q, k, v, w)
