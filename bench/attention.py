@@ -24,6 +24,7 @@ and its occupancy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 # backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
 # does; with the default ("reference") it returned None and the core rebuilt the mask on every call (O(T^2)).
 NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512, backend="triton")
-FLEX_WINDOW = NSAArgs(window_size=512, backend="triton", window_backend="flex")  # fla's window, the spec's comparison
+FLEX_WINDOW = dataclasses.replace(NSA, window_backend="flex")  # fla's window (the spec's comparison), whatever NSA's
 CORE = "NSA triton backend, compiled"
 
 

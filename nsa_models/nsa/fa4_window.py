@@ -71,4 +71,6 @@ def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"model.nsa.window_backend = 'flash_attn_4' needs bf16 or fp16 inputs on a CUDA GPU (Hopper "
                          f"or newer), got {q.dtype} on {q.device.type}: train with bf16 autocast, or set it to 'flex'")
+    # Contiguous once here: the op saves its inputs for the backward, which then needs no copies of its own.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return fa4_window_fwd(q, k, v, window, q.shape[-1] ** -0.5)[0]
