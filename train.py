@@ -38,10 +38,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, ConfigError) else 4 if isinstance(e, TrainingDiverged) else e.exit_code
 
 
-# window_backend -> (the module it imports, the pip package that provides it)
-_WINDOW_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
-
-
 def _importable(module: str) -> bool:
     """Whether `module` (dotted) is installed, without importing it (its parent package is imported; a missing
     parent counts as missing)."""
@@ -227,6 +223,8 @@ class Trainer:
         """The chosen NSA backend must be able to run here: no silent fallback to another one."""
         import torch
 
+        from nsa_models.args import WINDOW_PACKAGES, missing_window_package
+
         nsa = self.config.model.nsa
         if self.config.model.attention != "nsa" or nsa.backend == "reference":
             return
@@ -236,10 +234,9 @@ class Trainer:
         if self.device.type != "cuda":
             raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
                               f"{self.device.type}): set --model.nsa.backend reference")
-        module, package = _WINDOW_PACKAGES.get(nsa.window_backend, (None, None))
+        module, _ = WINDOW_PACKAGES.get(nsa.window_backend, (None, None))
         if module is not None and not _importable(module):
-            raise ConfigError(f"model.nsa.window_backend = {nsa.window_backend!r} but {package} is not installed: "
-                              f"pip install {package}, or set it to 'flex' or 'sdpa'")
+            raise ConfigError(missing_window_package(nsa.window_backend))
         if nsa.window_backend == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
             raise ConfigError("model.nsa.window_backend = 'flash_attn_4' runs bf16 only: set "
                               "training.mixed_precision = 'bf16' (or 'auto'), or window_backend = 'flex'")

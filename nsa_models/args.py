@@ -46,6 +46,17 @@ class NSAArgs:
         return self.cmp_mlp_hidden or max(head_dim, self.cmp_block_size * head_dim // 8)
 
 
+# window_backend -> (the module it imports, the pip package that provides it), for the optional ones
+WINDOW_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
+
+
+def missing_window_package(window_backend: str) -> str:
+    """The one-line error for a window backend whose package (WINDOW_PACKAGES) is not installed."""
+    package = WINDOW_PACKAGES[window_backend][1]
+    return (f"model.nsa.window_backend = {window_backend!r} needs the {package} package (pip install {package}); "
+            "or set it to 'flex' or 'sdpa'")
+
+
 @dataclass
 class ModelArgs:
     """A LLaMA-style decoder whose attention is NSA (or dense causal attention for the baselines)."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nsa_models.args import missing_window_package
+
 
 def _kernels():
     try:
         from flash_attn.cute import interface
     except ImportError as e:
-        raise ImportError("model.nsa.window_backend = 'flash_attn_4' needs the flash-attn-4 package "
-                          "(pip install flash-attn-4); or set it to 'flex' or 'sdpa'") from e
+        raise ImportError(missing_window_package("flash_attn_4")) from e
     return interface
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from nsa_models.args import NSAArgs
+from nsa_models.args import NSAArgs, missing_window_package
 from nsa_models.nsa.fa4_window import fa4_window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
@@ -67,8 +67,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
         try:
             from flash_attn import flash_attn_func
         except ImportError as e:
-            raise ImportError("model.nsa.window_backend = 'flash_attn' needs the flash-attn package "
-                              "(pip install flash-attn); or set it to 'flex' or 'sdpa'") from e
+            raise ImportError(missing_window_package("flash_attn")) from e
         # deterministic: a bitwise-repeatable backward, as every other NSA kernel here has
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=True)
     if args.window_backend == "flash_attn_4":
