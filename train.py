@@ -234,8 +234,7 @@ class Trainer:
         if self.device.type != "cuda":
             raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
                               f"{self.device.type}): set --model.nsa.backend reference")
-        module, _ = WINDOW_PACKAGES.get(nsa.window_backend, (None, None))
-        if module is not None and not _importable(module):
+        if nsa.window_backend in WINDOW_PACKAGES and not _importable(WINDOW_PACKAGES[nsa.window_backend][0]):
             raise ConfigError(missing_window_package(nsa.window_backend))
         if nsa.window_backend == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
             raise ConfigError("model.nsa.window_backend = 'flash_attn_4' runs bf16 only: set "
