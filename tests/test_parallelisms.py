@@ -150,12 +150,18 @@ def test_compile_matches_eager_without_graph_breaks(scope, single_process_histor
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window_backend", ["flex", "flash_attn_4"])
 @pytest.mark.parametrize("mode, scope", [("full", "block"), ("selective_op", "block"), ("full", "model")])
-def test_flex_window_in_checkpointed_compiled_model(mode, scope):
-    """The triton backend's FlexAttention window inside checkpointed compiled blocks (its block mask is built once
-    per forward, outside them): no graph break, no recompile on later steps, the eager model's loss and grads."""
+def test_window_in_checkpointed_compiled_model(mode, scope, window_backend):
+    """The triton backend's library windows inside checkpointed compiled blocks (FlexAttention's block mask is built
+    once per forward, outside them; FA4 runs bf16, so under autocast): no graph break, no recompile on later steps,
+    the eager model's loss and grads."""
     args = get_flavor("debug")
-    args.nsa.backend, args.nsa.window_backend = "triton", "flex"
+    args.nsa.backend, args.nsa.window_backend = "triton", window_backend
+    bf16 = window_backend == "flash_attn_4"
+    if bf16:
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+        args.head_dim = 64  # a head size FA4 compiles for
     tokens = torch.randint(0, args.vocab_size, (2, 257), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
 
@@ -167,7 +173,8 @@ def test_flex_window_in_checkpointed_compiled_model(mode, scope):
 
     def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         # Names as the plain model's: the checkpoint wrapper's and torch.compile's prefixes removed.
         return loss.detach(), {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""):
@@ -186,13 +193,15 @@ def test_flex_window_in_checkpointed_compiled_model(mode, scope):
     after = compile_counters()
     assert after["graph_breaks"] == before["graph_breaks"], (before, after)
     assert after["graphs_compiled"] == compiled["graphs_compiled"], (compiled, after)  # no recompile
-    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=0)
+    # bf16: compiled and eager round the autocast products and their fused neighbours differently
+    torch.testing.assert_close(loss, want_loss, rtol=2e-3 if bf16 else 1e-4, atol=0)
     assert grads.keys() == want_grads.keys()
     # All gradients as one vector, as test_triton_gpu's compile test: compiled rounding may flip a near-tied
     # selection for a few queries, which moves a few small gradients (e.g. the compressed keys' bias, zero in
     # exact arithmetic) by much more than rounding.
     got, want = (torch.cat([g[name].flatten() for name in want_grads]) for g in (grads, want_grads))
-    assert ((got - want).norm() / want.norm()).item() <= 1e-2
+    # Measured on an H200: fp32 (flex) 3e-7; bf16 (FA4) 1.3e-2 to 2.6e-2, the loss within 1.4e-4.
+    assert ((got - want).norm() / want.norm()).item() <= (5e-2 if bf16 else 1e-2)
 
 
 # --- float8 ----------------------------------------------------------------------------------------------------
