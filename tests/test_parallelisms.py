@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
 from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters  # noqa: E402
+from tests.conftest import needs_flash_attn_4  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches, train_losses  # noqa: E402
 from training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,  # noqa: E402
                              ParallelismConfig)
@@ -160,7 +161,7 @@ def test_window_in_checkpointed_compiled_model(mode, scope, window_backend):
     args.nsa.backend, args.nsa.window_backend = "triton", window_backend
     bf16 = window_backend == "flash_attn_4"
     if bf16:
-        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+        needs_flash_attn_4()
         args.head_dim = 64  # a head size FA4 compiles for
     tokens = torch.randint(0, args.vocab_size, (2, 257), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nsa_models.args import NSAArgs
+from tests.conftest import needs_flash_attn_4
 from train import Trainer, _importable
 from training.config import ConfigError
 
@@ -120,7 +121,7 @@ def test_importable_checks_submodules_without_failing_on_a_missing_parent():
 @pytest.mark.gpu
 def test_flash_attn_4_window_needs_bf16_compute():
     """The FA4 window takes bf16 only: an fp32 plan is a one-line config error before anything is built."""
-    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+    needs_flash_attn_4()
     from nsa_models.nsa.core import BACKENDS
 
     nsa = NSAArgs(backend="triton", window_backend="flash_attn_4")

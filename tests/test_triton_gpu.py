@@ -16,6 +16,7 @@ from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
+from tests.conftest import needs_flash_attn_4
 from tests.selection_check import assert_valid_selection, reference_scores
 
 pytestmark = pytest.mark.gpu
@@ -90,11 +91,6 @@ def test_backend_matches_reference(T: int, G: int, D: int, dtype: torch.dtype):
 @pytest.mark.parametrize("T", [31, 4113])  # within one FlexAttention block, and past a multiple of the block
 def test_backend_with_flex_window(T: int, dtype: torch.dtype):
     check_backend(T, 16, 128, HYPERS[0], dtype, "flex", separate=False)
-
-
-def needs_flash_attn_4() -> None:
-    """flash-attn-4 is an optional package (pyproject's `flash4` extra); the device runs carry it."""
-    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
 
 
 @pytest.mark.parametrize("T", [1, 31, 1000, 4113])  # FA4 takes bf16 / fp16 only
