@@ -80,26 +80,31 @@ def reference_selected(q, k, v, idx):
 # layout: "key" runs the forward and dQ key-block-major; a number N runs them by query tiles of about N rows (1:
 # one query per tile; more: several queries over the union of their blocks, the last tile partly empty).
 # dq_terms: with query tiles, dQ from the key-block-major dK/dV kernel's per-pair terms instead of the tiles.
-@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,layout,dq_terms", [
-    (1, 10, 1, 3, "forced", 256, 64, False),  # T < l'
-    (1, 10, 1, 3, "forced", 256, 64, True),
-    (1, 10, 1, 3, "forced", 256, "key", True),
-    (2, 37, 2, 3, "random", 7, 1, False),     # T not a multiple of l', padding shuffled in
-    (2, 37, 2, 3, "random", 7, 12, False),
-    (2, 37, 2, 3, "random", 7, 12, True),
-    (2, 37, 2, 3, "random", 7, "key", True),
-    (1, 80, 3, 4, "random", 256, 64, False),
-    (1, 80, 3, 4, "random", 256, "key", True),
-    (1, 64, 4, 4, "all", 5, 1, False),        # many queries on every block
-    (1, 64, 4, 4, "all", 5, 64, False),
-    (1, 64, 4, 4, "all", 5, 64, True),
-    (1, 64, 4, 4, "all", 5, "key", True),
+# row_bits: query tiles test a row's block by its bitmask over the tile's union (False: by its list).
+@pytest.mark.parametrize("B,T,G,n,pattern,item_queries,layout,dq_terms,row_bits", [
+    (1, 10, 1, 3, "forced", 256, 64, False, True),  # T < l'
+    (1, 10, 1, 3, "forced", 256, 64, True, True),
+    (1, 10, 1, 3, "forced", 256, "key", True, True),
+    (2, 37, 2, 3, "random", 7, 1, False, True),     # T not a multiple of l', padding shuffled in
+    (2, 37, 2, 3, "random", 7, 12, False, True),
+    (2, 37, 2, 3, "random", 7, 12, False, False),
+    (2, 37, 2, 3, "random", 7, 12, True, True),
+    (2, 37, 2, 3, "random", 7, "key", True, True),
+    (1, 80, 3, 4, "random", 256, 64, False, True),
+    (1, 80, 3, 4, "random", 256, "key", True, True),
+    (1, 64, 4, 4, "all", 5, 1, False, True),        # many queries on every block
+    (1, 64, 4, 4, "all", 5, 64, False, True),
+    (1, 64, 4, 4, "all", 5, 64, False, False),
+    (1, 64, 4, 4, "all", 5, 64, True, True),
+    (1, 64, 4, 4, "all", 5, "key", True, True),
 ])
 def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pattern: str, item_queries: int,
-                                              layout: int | str, dq_terms: bool, monkeypatch):
+                                              layout: int | str, dq_terms: bool, row_bits: bool, monkeypatch):
     monkeypatch.setattr(triton_selected, "_ITEM_QUERIES", item_queries)
     monkeypatch.setattr(triton_selected, "_key_major", lambda G, n_blocks, n: layout == "key")
     monkeypatch.setattr(triton_selected, "_dq_by_key_blocks", lambda G, n_blocks, n, D: dq_terms)
+    if not row_bits:
+        monkeypatch.setattr(triton_selected, "_ROW_BITS_MAX", 0)
     if layout != "key":
         monkeypatch.setattr(triton_selected, "_TILE_ROWS", layout)
     gen = torch.Generator().manual_seed(T * 10 + G)
@@ -124,6 +129,26 @@ def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pa
     got = torch.autograd.grad((o * cot_o.float()).sum() + (lse * cot_lse.float()).sum(), (q32, k32, v32))
     for name, g, w in zip("qkv", got, want):
         assert rel_err(g, w) <= 1e-4, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_tile_row_bits():
+    """Each query's bitmask marks exactly the places of its chosen blocks in its tile's union, up to a union of 64
+    places (bit 63 included); a wider union, or a tile of one query, gets no bitmask."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, n, n_blocks, QT = 1, 2, 700, 16, 128, 4
+    idx = torch.stack([torch.randperm(n_blocks, generator=gen)[:n] for _ in range(B * H * T)]).view(B, H, T, n)
+    idx = idx.masked_fill(torch.rand(B, H, T, n, generator=gen) < 0.2, -1)  # padding among the choices
+    idx[:, :, :QT] = torch.randperm(64, generator=gen).view(QT, n)  # the first tile's union: 64 distinct blocks
+    blocks, counts, bits = triton_selected._tile_blocks(idx, n_blocks, QT)
+    assert bits.shape == (B, H, T) and counts.max() == 64 and bits.min() < 0  # bit 63 is the sign
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                union = blocks[b, h, t // QT, :counts[b, h, t // QT]].tolist()
+                want = sum(1 << union.index(c) for c in idx[b, h, t].tolist() if c >= 0)
+                assert bits[b, h, t].item() & (2 ** 64 - 1) == want, (b, h, t)
+    assert triton_selected._tile_blocks(idx, n_blocks, 5)[2].numel() == 0  # a union of 80 places
+    assert triton_selected._tile_blocks(idx, n_blocks, 1)[2].numel() == 0
 
 
 def test_backend_matches_reference():

@@ -45,6 +45,7 @@ _ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
 # kernel without the dQ term (4 warps: 30.23 -> 38.70 at 64k, G = 16).
 _ITEM_ROWS_DQ = 128
 _TILE_ROWS = 64  # rows (queries x heads) aimed at per forward / dQ tile
+_ROW_BITS_MAX = 64  # union places a query's bitmask covers (one int64); wider unions compare lists (`_tile_blocks`)
 
 
 @triton.jit
@@ -92,12 +93,14 @@ def softmax_output(m, l, acc):
 
 
 @triton.jit
-def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr):
+def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, T, N_SEL, L, H: tl.constexpr, G: tl.constexpr,
+                D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr,
+                BD: tl.constexpr, ROW_BITS: tl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads); row r is head r % G of query
     tile * QT + r // G. Returns the query positions [BM], the rows of [B * T * HQ] [BM], which rows exist [BM],
-    each row's chosen blocks [BM, NP] (-1: none), the tile's number of union blocks, where its union list starts,
-    the head-dim lanes [BD] and their validity, key lanes [BS], the batch and the KV head."""
+    what each row's query chose (ROW_BITS: its bitmask of union positions [BM], else its chosen blocks [BM, NP],
+    -1: none), the tile's number of union blocks, where its union list starts, the head-dim lanes [BD] and their
+    validity, key lanes [BS], the batch and the KV head."""
     tile = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -105,9 +108,12 @@ def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H: tl.constexpr, G: 
     t = tile * QT + r // G
     row_ok = (r < QT * G) & (t < T)
     rows = (b * T + t) * (H * G) + h * G + r % G
-    s = tl.arange(0, NP)
-    chosen = tl.load(IDX + (bh * T + t)[:, None] * N_SEL + s[None, :], mask=row_ok[:, None] & (s < N_SEL)[None, :],
-                     other=-1)
+    if ROW_BITS:
+        chosen = tl.load(TILE_BITS + bh * T + t, mask=row_ok, other=0)
+    else:
+        s = tl.arange(0, NP)
+        chosen = tl.load(IDX + (bh * T + t)[:, None] * N_SEL + s[None, :],
+                         mask=row_ok[:, None] & (s < N_SEL)[None, :], other=-1)
     tile_id = bh * tl.cdiv(T, QT) + tile
     d = tl.arange(0, BD)
     return (t, rows, row_ok, chosen, tl.load(TILE_COUNTS + tile_id), TILE_BLOCKS + tile_id * L, d, d < D,
@@ -115,18 +121,25 @@ def _query_tile(IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H: tl.constexpr, G: 
 
 
 @triton.jit
-def _visible(chosen, blk, pos, t):
-    """[BM, BS] mask: the row's query chose block `blk` (not padding) and may see the key (causal)."""
-    row_chose = tl.sum((chosen == blk).to(tl.int32), 1) > 0
+def _visible(chosen, blk, i, pos, t, ROW_BITS: tl.constexpr):
+    """[BM, BS] mask: the row's query chose block `blk`, the tile's i-th union block (not padding), and may see
+    the key (causal). With ROW_BITS, bit i of the row's bitmask says it chose the block: one shift a step instead
+    of a reduction over the row's list, whose result also had to change register layout through shared memory
+    (packed tiles' kernels measured 4-17% faster, see `_tile_blocks`)."""
+    if ROW_BITS:
+        row_chose = ((chosen >> i) & 1) != 0
+    else:
+        row_chose = tl.sum((chosen == blk).to(tl.int32), 1) > 0
     return row_chose[:, None] & (pos >= 0)[None, :] & (pos[None, :] <= t[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "N_SEL", "L"])  # one compile for every length
-def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, O, LSE, T, N_SEL, L, qk_scale, H: tl.constexpr,
+def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, N_SEL, L, qk_scale, H: tl.constexpr,
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr,
-                NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+                NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                ROW_BITS: tl.constexpr):
     t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
-        IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD)
+        IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD, ROW_BITS)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -135,7 +148,7 @@ def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, O, LSE, T, N_SEL, L, qk_
         blk = tl.load(blocks + i)
         pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where(_visible(chosen, blk, pos, t), s, float("-inf"))
+        s = tl.where(_visible(chosen, blk, i, pos, t, ROW_BITS), s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
     o, lse = softmax_output(m, l, acc)
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -153,12 +166,12 @@ def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "N_SEL", "L"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, DQ, T, N_SEL, L, qk_scale, scale,
-                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, DQ, T, N_SEL, L, qk_scale,
+                   scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
                    BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, ROW_BITS: tl.constexpr):
     t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
-        IDX, TILE_BLOCKS, TILE_COUNTS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD)
+        IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD, ROW_BITS)
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
@@ -166,7 +179,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, DQ, T
         blk = tl.load(blocks + i)
         pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.where(_visible(chosen, blk, pos, t), tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(_visible(chosen, blk, i, pos, t, ROW_BITS), tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -331,12 +344,21 @@ def _queries_per_tile(G: int, n_blocks: int, n: int) -> int:
     return packed if G < 16 or n_blocks <= 8 * n else 1
 
 
-def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor, Tensor]:
+def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per tile of QT consecutive queries of one (batch, KV head): the union of their chosen blocks, ascending and
-    -1 padded [B, H, T / QT, L], and its size [B, H, T / QT] int32. One query per tile: its own list, as is."""
+    -1 padded [B, H, T / QT, L], and its size [B, H, T / QT] int32; and per query which of its tile's union blocks
+    it chose, as a bitmask [B, H, T] int64 (bit p: the p-th) when the union has `_ROW_BITS_MAX` places at most
+    (else empty: the kernels then compare each block with the query's list). One query per tile: its own list, as
+    is, and no bitmask.
+
+    The bitmask makes a step's row test one shift. Measured (H200, bf16, random choices, selected ops, ms, list
+    comparison -> bitmask): forward 8k G = 16 (4-query tiles) 1.80 -> 1.72, 4k 0.695 -> 0.667, nsa-125m (G = 3,
+    21-query tiles) 16 x 2k 0.571 -> 0.463, 8 x 2k 0.305 -> 0.250; the tiles' dQ kernel alone 8k 1.953 -> 1.857,
+    16 x 2k 0.527 -> 0.444. Outputs bitwise the same. One-query tiles (whose rows all chose every block but the
+    padding) lost with it: forward 64k 14.22 -> 14.88, 16k 3.48 -> 3.67."""
     B, H, T, n = block_indices.shape
     if QT == 1:
-        return block_indices, block_indices.new_full((B, H, T), n, dtype=torch.int32)
+        return block_indices, block_indices.new_full((B, H, T), n, dtype=torch.int32), block_indices.new_empty(0)
     n_tiles = triton.cdiv(T, QT)
     idx = F.pad(block_indices, (0, 0, 0, n_tiles * QT - T), value=-1).view(B, H, n_tiles, QT * n)
     # Column n_blocks collects the padding; it is dropped.
@@ -346,7 +368,14 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     slot = torch.where(present, torch.cumsum(present, -1) - 1, L)  # absent blocks go to the dropped slot L
     blocks = idx.new_full((B, H, n_tiles, L + 1), -1)
     blocks = blocks.scatter_(3, slot, torch.arange(n_blocks, device=idx.device).expand_as(slot))[..., :L]
-    return blocks.contiguous(), present.sum(-1, dtype=torch.int32)
+    blocks, counts = blocks.contiguous(), present.sum(-1, dtype=torch.int32)
+    if L > _ROW_BITS_MAX:
+        return blocks, counts, block_indices.new_empty(0)
+    # The union place of each query's chosen block (under padding: any; it sets no bit). A query's chosen blocks
+    # are distinct, so the sum of their bits is their bitwise or (bit 63 wraps to the sign).
+    union_slot = slot.gather(3, idx.clamp(min=0)).view(B, H, n_tiles * QT, n)[:, :, :T]
+    bits = torch.where(block_indices >= 0, torch.bitwise_left_shift(torch.ones_like(union_slot), union_slot), 0)
+    return blocks, counts, bits.sum(-1)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -407,9 +436,9 @@ def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescrip
 
 
 def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-               block_size: int, dq: bool) -> tuple[tuple[int, int], dict]:
+               tile_bits: Tensor, block_size: int, dq: bool) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments of the forward (or, with dq, the dQ) kernel: the key/value descriptors, the
-    chosen blocks, the tiles' union lists and sizes (`work_lists`), lengths, and meta-parameters."""
+    chosen blocks, the tiles' union lists, sizes and row bitmasks (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
     H, n = k.shape[2], block_indices.shape[3]
     G = HQ // H
@@ -423,12 +452,16 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     # (selected fwd+bwd 2.72 -> 2.84), so they keep pointer loads.
     tma = rows <= 16
     tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
-                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, T=T, N_SEL=n, L=tile_blocks.shape[3], H=H, G=G,
-                D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n), BD=triton.next_power_of_2(D),
-                PRECISION=dot_precision(q.dtype), TMA=tma, num_warps=2 if rows <= 16 else 4,
+                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, N_SEL=n,
+                L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
+                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), TMA=tma,
+                ROW_BITS=tile_bits.numel() > 0,
+                num_warps=2 if rows <= 16 else 4,
                 # 3 pipeline stages for the dQ of load-bound 16-row tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91
                 # -> 3.72; 64-row tiles lose (8k, G = 16: 1.87 -> 2.49), and so did the forward's (14.28 -> 15.23).
-                num_stages=3 if dq and tma else 2)
+                # The forward of packed tiles at D = 128 gains (with row bitmasks, 8k G = 16 1.72 -> 1.67, 4k
+                # 0.667 -> 0.636) and at D = 64 loses (nsa-125m 16 x 2k 0.463 -> 0.485, 8 x 2k 0.250 -> 0.258).
+                num_stages=3 if (dq and tma) or (not dq and not tma and D > 64) else 2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
@@ -449,9 +482,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
                            query_slot: Tensor, seg_items: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-                           block_size: int, scale: float) -> tuple[Tensor, Tensor]:
+                           tile_bits: Tensor, block_size: int, scale: float) -> tuple[Tensor, Tensor]:
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
-    items ... tile_counts: `work_lists(q, k, block_indices, block_size)`."""
+    items ... tile_bits: `work_lists(q, k, block_indices, block_size)`."""
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -467,13 +500,14 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=False)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=False)
         _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
     return o, lse
 
 
 @selected_attention_fwd.register_fake
-def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, block_size, scale):
+def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits, block_size,
+      scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -548,7 +582,7 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 @torch.library.custom_op("nsa::selected_attention_bwd", mutates_args=())
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                            block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
-                           tile_blocks: Tensor, tile_counts: Tensor, block_size: int,
+                           tile_blocks: Tensor, tile_counts: Tensor, tile_bits: Tensor, block_size: int,
                            scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -559,7 +593,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     dq_terms = _key_major(G, n_blocks, n) or _dq_by_key_blocks(G, n_blocks, n, D)
     dq = torch.empty_like(q)
     if not dq_terms:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, block_size, dq=True)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=True)
         _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if dq_terms and G >= 3 and D > 64 else _ITEM_ROWS
@@ -589,8 +623,8 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
 
 
 @selected_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, block_size,
-      scale):
+def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits,
+      block_size, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -630,18 +664,18 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, b
 
 
 def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
-               backward: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               backward: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What the kernels iterate over, built once per call from the chosen blocks (torch ops: under torch.compile
     they fuse into the caller's graph) and passed to both ops: the reverse index (`reverse_index`: the work items
     of the key-block-major forward and of every backward's dK/dV) and, in the query-tile layout, each tile's
-    union of blocks (`_tile_blocks`: the forward's and the dQ kernel's). Built in each op instead, the backward
-    repeated the forward's (the reverse index's sort over B * H * T * n entries took ~2.8 ms per call at 32k,
-    G = 1, H200). A list a call does not use is empty: the reverse index of a query-tile forward with no
-    backward to follow (evaluation), the unions in the key-block-major layout."""
+    union of blocks and its queries' bitmasks over it (`_tile_blocks`: the forward's and the dQ kernel's). Built
+    in each op instead, the backward repeated the forward's (the reverse index's sort over B * H * T * n entries
+    took ~2.8 ms per call at 32k, G = 1, H200). A list a call does not use is empty: the reverse index of a
+    query-tile forward with no backward to follow (evaluation), the unions in the key-block-major layout."""
     empty = block_indices.new_empty
     G, n_blocks, n = _layout_shape(q, k, block_indices, block_size)
     key_major = _key_major(G, n_blocks, n)
     index = reverse_index(block_indices, block_size) if backward or key_major else (empty(3, 0), empty(0), empty(0))
     if key_major:
-        return *index, empty(0), empty(0)
+        return *index, empty(0), empty(0), empty(0)
     return *index, *_tile_blocks(block_indices, n_blocks, _queries_per_tile(G, n_blocks, n))
