@@ -8,9 +8,10 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   G heads of each of its queries as the rows of one tile (about `_TILE_ROWS` rows: 21 queries at G = 3; at
   G >= 16 one query, or 4 with few blocks: `_queries_per_tile`), so small groups do not leave the matrix units'
   rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
-  ops), masking per row the blocks that row's query did not choose: a key block is loaded once per tile instead
-  of once per query (through TMA at 16 rows a tile). dQ: same tiles, recomputing the probabilities from the
-  log-sum-exp; or, where a tile's union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
+  ops), masking per row the blocks that row's query did not choose (a packed tile reads that from a per-query
+  bitmask over its union, `_tile_blocks`): a key block is loaded once per tile instead of once per query (through
+  TMA at 16 rows a tile). dQ: same tiles, recomputing the probabilities from the log-sum-exp; or, where a tile's
+  union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
   each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
