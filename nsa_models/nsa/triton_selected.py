@@ -375,8 +375,7 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     # The union place of each query's chosen block (under padding: any; it sets no bit). A query's chosen blocks
     # are distinct, so the sum of their bits is their bitwise or (bit 63 wraps to the sign).
     union_slot = slot.gather(3, idx.clamp(min=0)).view(B, H, n_tiles * QT, n)[:, :, :T]
-    bits = torch.where(block_indices >= 0, torch.bitwise_left_shift(torch.ones_like(union_slot), union_slot), 0)
-    return blocks, counts, bits.sum(-1)
+    return blocks, counts, torch.where(block_indices >= 0, 1 << union_slot, 0).sum(-1)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
