@@ -7,7 +7,7 @@
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention, selection (scores + top-n, forward only: not
   differentiated), selected attention (n=16 random valid blocks), sliding window (--window-backend: FlexAttention
-  by default, or FlashAttention-4);
+  by default, or FlashAttention-4, whose backward is deterministic unless --float-atomics);
 - `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
   and `compiled` (torch.compile, fullgraph, the window mask built once outside, as the model runs it: the gating,
   softmax-delta and cast glue fuse). The ratios, the group sweep and --profile use the compiled core;
@@ -230,6 +230,8 @@ def main() -> None:
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
     parser.add_argument("--window-backend", choices=["flex", "flash_attn_4"], default="flex",
                         help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
+    parser.add_argument("--float-atomics", action="store_true",
+                        help="the window's backward with float atomics (model.nsa.float_atomics; FA4 window only)")
     parser.add_argument("--profile", action="store_true",
                         help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
@@ -238,11 +240,14 @@ def main() -> None:
     # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
-    NSA.window_backend = args.window_backend  # before anything compiles the core
+    NSA.window_backend, NSA.float_atomics = args.window_backend, args.float_atomics  # before the core compiles
+    if args.float_atomics and args.window_backend == "flex":
+        parser.error("--float-atomics needs --window-backend flash_attn_4 (FlexAttention has no atomic mode)")
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "
-          f"D={D} bf16, ms", flush=True)
+          f"D={D} bf16, window {args.window_backend}{' with float atomics' if args.float_atomics else ''}, ms",
+          flush=True)
     for T in args.seq_lens:
         rows = bench_length(T, args.batch, HQ, H, D)
         print(f"\n| T={T} | fwd | fwd+bwd |\n|---|---|---|")

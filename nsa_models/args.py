@@ -38,6 +38,12 @@ class NSAArgs:
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
     window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
     docs/PERFORMANCE.md). The `reference` backend computes the window itself and ignores this key."""
+    float_atomics: bool = False
+    """Let the window's library backward (window_backend `flash_attn` or `flash_attn_4`) accumulate its gradients
+    with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 -> 7.97 ms fwd+bwd; no gain
+    measured for nsa-125m end to end; docs/PERFORMANCE.md session 26), but no longer bitwise repeatable, so the
+    same seed and recipe may give other losses. Off: every NSA backward kernel is deterministic. The Triton
+    kernels have no atomic variant (measured slower, session 20)."""
     query_chunk: int = 512
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
 
@@ -118,6 +124,9 @@ class ModelArgs:
                 (a.n_selected >= 3, "nsa.n_selected", "must be >= 3 (block 0 and the two most recent are forced)"),
                 (a.window_size >= 1, "nsa.window_size", "must be >= 1"),
                 (a.query_chunk >= 1, "nsa.query_chunk", "must be >= 1"),
+                (not a.float_atomics or (a.backend == "triton" and a.window_backend in WINDOW_PACKAGES),
+                 "nsa.float_atomics", "= true needs backend = 'triton' with window_backend = 'flash_attn' or "
+                 "'flash_attn_4' (the only kernels with an atomic backward); set it to false"),
             ]
         for ok, key, why in checks:
             if not ok:

@@ -100,6 +100,13 @@ def test_backend_with_flash_attn_4_window(T: int, G: int, D: int):
     check_backend(T, G, D, HYPERS[0], torch.bfloat16, "flash_attn_4", separate=T == 1000)
 
 
+@pytest.mark.parametrize("G,D", [(3, 64), (16, 128)])
+def test_backend_with_flash_attn_4_window_and_float_atomics(G: int, D: int):
+    """model.nsa.float_atomics: FA4's atomic backward, within the same bounds as the deterministic one."""
+    needs_flash_attn_4()
+    check_backend(4113, G, D, {**HYPERS[0], "float_atomics": True}, torch.bfloat16, "flash_attn_4", separate=False)
+
+
 def test_flash_attn_4_window_rejects_fp32():
     needs_flash_attn_4()
     q = torch.randn(1, 64, 4, 64, device="cuda")

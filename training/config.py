@@ -369,6 +369,9 @@ def validate(config: Config) -> None:
     if config.float8.enable and t.device == "cpu":
         raise ConfigError("float8.enable = true needs a GPU of SM89 or newer: set training.device = 'cuda' "
                           "or float8.enable = false")
+    if config.debug.deterministic and config.model.attention == "nsa" and config.model.nsa.float_atomics:
+        raise ConfigError("model.nsa.float_atomics = true contradicts debug.deterministic = true (float atomics "
+                          "make the backward non-repeatable): set one of them to false")
     try:
         config.model.validate()
     except ValueError as e:

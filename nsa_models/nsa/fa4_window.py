@@ -3,9 +3,10 @@
 
 `flash_attn.cute.flash_attn_func` is an autograd.Function that compiles its kernels on first use, which Dynamo
 cannot trace; the forward and backward are wrapped here as ops with fake implementations, so a compiled NSA block
-keeps 0 graph breaks. The backward always runs FA4's deterministic mode (its dQ/dK/dV accumulation serialised in
-a fixed order), as every other NSA kernel here: bitwise repeatable, measured up to 17% slower than its atomic mode
-and still faster than FlexAttention (docs/PERFORMANCE.md, session 18). Written against flash-attn-4 4.0.0b36,
+keeps 0 graph breaks. The backward runs FA4's deterministic mode (its dQ/dK/dV accumulation serialised in a fixed
+order), as every other NSA kernel here: bitwise repeatable, measured up to 17% slower than its atomic mode and
+still faster than FlexAttention (docs/PERFORMANCE.md, session 18); `model.nsa.float_atomics` opts in to the atomic
+mode. Written against flash-attn-4 4.0.0b36,
 whose `_flash_attn_fwd` / `_flash_attn_bwd` are the functions its autograd.Function calls.
 """
 
@@ -26,8 +27,10 @@ def _kernels():
 
 
 @torch.library.custom_op("nsa::fa4_window_fwd", mutates_args=())
-def fa4_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tuple[Tensor, Tensor]:
-    """o [B, T, HQ, D] over keys t-window+1 .. t, and the natural-log lse [B, HQ, T] (fp32) the backward needs."""
+def fa4_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+                   deterministic: bool) -> tuple[Tensor, Tensor]:
+    """o [B, T, HQ, D] over keys t-window+1 .. t, and the natural-log lse [B, HQ, T] (fp32) the backward needs;
+    deterministic: the mode of the backward."""
     out, lse, *_ = _kernels()._flash_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), softmax_scale=scale,
                                               causal=True, window_size_left=window - 1, window_size_right=0,
                                               return_lse=True)
@@ -35,43 +38,44 @@ def fa4_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -
 
 
 @fa4_window_fwd.register_fake
-def _(q, k, v, window, scale):
+def _(q, k, v, window, scale, deterministic):
     B, T, HQ, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, HQ, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("nsa::fa4_window_bwd", mutates_args=())
 def fa4_window_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: int,
-                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv; bitwise deterministic."""
+                   scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv; bitwise repeatable when deterministic, else accumulated with float atomics (faster)."""
     return tuple(_kernels()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), o, do.contiguous(), lse,
                                             scale, True, 0.0, window_size_left=window - 1, window_size_right=0,
-                                            deterministic=True))
+                                            deterministic=deterministic))
 
 
 @fa4_window_bwd.register_fake
-def _(do, q, k, v, o, lse, window, scale):
+def _(do, q, k, v, o, lse, window, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.window, ctx.scale = inputs
+    q, k, v, ctx.window, ctx.scale, ctx.deterministic = inputs
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _backward(ctx, do, _dlse):  # the lse is the backward's input only: callers take o
     q, k, v, o, lse = ctx.saved_tensors
-    return *fa4_window_bwd(do, q, k, v, o, lse, ctx.window, ctx.scale), None, None
+    return *fa4_window_bwd(do, q, k, v, o, lse, ctx.window, ctx.scale, ctx.deterministic), None, None, None
 
 
 fa4_window_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
-    """Attention of q [B, T, HQ, D] over keys t-window+1 .. t of k, v [B, T, H, D] (H dividing HQ); [B, T, HQ, D]."""
+def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, deterministic: bool = True) -> Tensor:
+    """Attention of q [B, T, HQ, D] over keys t-window+1 .. t of k, v [B, T, H, D] (H dividing HQ); [B, T, HQ, D].
+    deterministic=False: a backward with float atomics (faster, not bitwise repeatable)."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"model.nsa.window_backend = 'flash_attn_4' needs bf16 or fp16 inputs on a CUDA GPU (Hopper "
                          f"or newer), got {q.dtype} on {q.device.type}: train with bf16 autocast, or set it to 'flex'")
     # Contiguous once here: the op saves its inputs for the backward, which then needs no copies of its own.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return fa4_window_fwd(q, k, v, window, q.shape[-1] ** -0.5)[0]
+    return fa4_window_fwd(q, k, v, window, q.shape[-1] ** -0.5, deterministic)[0]

@@ -68,10 +68,10 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
             from flash_attn import flash_attn_func
         except ImportError as e:
             raise ImportError(missing_window_package("flash_attn")) from e
-        # deterministic: a bitwise-repeatable backward, as every other NSA kernel here has
-        return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=True)
+        # deterministic unless the recipe opts in to atomics: a bitwise-repeatable backward, as every NSA kernel's
+        return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=not args.float_atomics)
     if args.window_backend == "flash_attn_4":
-        return fa4_window_attention(q, k, v, w)
+        return fa4_window_attention(q, k, v, w, deterministic=not args.float_atomics)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
