@@ -10,7 +10,7 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
   ops), masking per row the blocks that row's query did not choose (a packed tile reads that from a per-query
   bitmask over its union, `_tile_blocks`): a key block is loaded once per tile instead of once per query (through
-  TMA at 16 rows a tile). dQ: same tiles, recomputing the probabilities from the log-sum-exp; or, where a tile's
+  TMA, except in packed tiles that compare block lists). dQ: same tiles, recomputing the probabilities from the log-sum-exp; or, where a tile's
   union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
@@ -445,23 +445,24 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     QT = _queries_per_tile(*_layout_shape(q, k, block_indices, block_size))
     rows = max(16, triton.next_power_of_2(QT * G))
     # One query of G = 16 fills 16 rows: 2 warps cover them (measured 6-9% faster than 4 at 8k and 64k, G = 16).
-    # Such a tile loads a key block per 16 rows and is bound by the L2 traffic of those loads: TMA moves them with
-    # fewer instructions and registers than pointer loads. Measured (H200, G = 16, D = 128, kernels alone,
-    # forward / dQ): 64k 16.56 / 17.21 -> 14.28 / 15.63 ms, 16k 4.09 / 4.20 -> 3.58 / 3.91. Tiles of 64 rows are
-    # not load-bound: 8k, G = 16 even (1.80 / 1.87 -> 1.78 / 1.87), nsa-125m's 16 x 2k, G = 3, D = 64 slower
-    # (selected fwd+bwd 2.72 -> 2.84), so they keep pointer loads.
-    tma = rows <= 16
+    # Key blocks come through TMA, with fewer instructions and registers than pointer loads. Measured (H200, bf16,
+    # kernels alone, pointer loads -> TMA, forward / dQ): one-query tiles (G = 16, D = 128, bound by the L2 traffic
+    # of a key block per 16 rows) 64k 16.56 / 17.21 -> 14.28 / 15.63 ms, 16k 4.09 / 4.20 -> 3.58 / 3.91; packed
+    # tiles with row bitmasks (`_tile_blocks`) 8k G = 16 1.681 / 1.823 -> 1.394 / 1.744, 4k 0.636 / 0.704 ->
+    # 0.537 / 0.674, nsa-125m 16 x 2k (G = 3, D = 64) 0.465 / 0.458 -> 0.450 / 0.427. Packed tiles that compare
+    # block lists (unions wider than 64) keep pointer loads: with TMA they were not measured.
+    tma = rows <= 16 or tile_bits.numel() > 0
     tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
                 TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, N_SEL=n,
                 L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
                 BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), TMA=tma,
                 ROW_BITS=tile_bits.numel() > 0,
                 num_warps=2 if rows <= 16 else 4,
-                # 3 pipeline stages for the dQ of load-bound 16-row tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91
-                # -> 3.72; 64-row tiles lose (8k, G = 16: 1.87 -> 2.49), and so did the forward's (14.28 -> 15.23).
-                # The forward of packed tiles at D = 128 gains (with row bitmasks, 8k G = 16 1.72 -> 1.67, 4k
-                # 0.667 -> 0.636) and at D = 64 loses (nsa-125m 16 x 2k 0.463 -> 0.485, 8 x 2k 0.250 -> 0.258).
-                num_stages=3 if (dq and tma) or (not dq and not tma and D > 64) else 2)
+                # 3 pipeline stages for the dQ of one-query tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91 -> 3.72;
+                # packed tiles' dQ loses (TMA, 8k G = 16: 1.744 -> 2.039), and so did the one-query forward (64k
+                # 14.28 -> 15.23). The forward of packed tiles at D = 128 gains (TMA, 8k G = 16 1.540 -> 1.394, 4k
+                # 0.584 -> 0.537) and at D = 64 loses (nsa-125m 16 x 2k 0.450 -> 0.476); 4 stages lose everywhere.
+                num_stages=3 if (dq and rows <= 16) or (not dq and rows > 16 and D > 64) else 2)
     return (triton.cdiv(T, QT), B * H), tile
 
 
