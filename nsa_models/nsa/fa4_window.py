@@ -6,8 +6,8 @@ cannot trace; the forward and backward are wrapped here as ops with fake impleme
 keeps 0 graph breaks. The backward runs FA4's deterministic mode (its dQ/dK/dV accumulation serialised in a fixed
 order), as every other NSA kernel here: bitwise repeatable, measured up to 17% slower than its atomic mode and
 still faster than FlexAttention (docs/PERFORMANCE.md, session 18); `model.nsa.float_atomics` opts in to the atomic
-mode. Written against flash-attn-4 4.0.0b36,
-whose `_flash_attn_fwd` / `_flash_attn_bwd` are the functions its autograd.Function calls.
+mode. Written against flash-attn-4 4.0.0b36, whose `_flash_attn_fwd` / `_flash_attn_bwd` are the functions its
+autograd.Function calls.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   rows empty. It runs an online softmax over the union of the tile's chosen blocks (ascending, built with torch
   ops), masking per row the blocks that row's query did not choose (a packed tile reads that from a per-query
   bitmask over its union, `_tile_blocks`): a key block is loaded once per tile instead of once per query (through
-  TMA, except in packed tiles that compare block lists). dQ: same tiles, recomputing the probabilities from the log-sum-exp; or, where a tile's
-  union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
+  TMA, except in packed tiles that compare block lists). dQ: same tiles, recomputing the probabilities from the
+  log-sum-exp; or, where a tile's union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
   block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
   each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
@@ -451,12 +451,13 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     # tiles with row bitmasks (`_tile_blocks`) 8k G = 16 1.681 / 1.823 -> 1.394 / 1.744, 4k 0.636 / 0.704 ->
     # 0.537 / 0.674, nsa-125m 16 x 2k (G = 3, D = 64) 0.465 / 0.458 -> 0.450 / 0.427. Packed tiles that compare
     # block lists (unions wider than 64) keep pointer loads: with TMA they were not measured.
-    tma = rows <= 16 or tile_bits.numel() > 0
+    row_bits = tile_bits.numel() > 0
+    tma = rows <= 16 or row_bits
     tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
                 TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, N_SEL=n,
                 L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
                 BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), TMA=tma,
-                ROW_BITS=tile_bits.numel() > 0,
+                ROW_BITS=row_bits,
                 num_warps=2 if rows <= 16 else 4,
                 # 3 pipeline stages for the dQ of one-query tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91 -> 3.72;
                 # packed tiles' dQ loses (TMA, 8k G = 16: 1.744 -> 2.039), and so did the one-query forward (64k
