@@ -241,8 +241,10 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
     NSA.window_backend, NSA.float_atomics = args.window_backend, args.float_atomics  # before the core compiles
-    if args.float_atomics and args.window_backend == "flex":
-        parser.error("--float-atomics needs --window-backend flash_attn_4 (FlexAttention has no atomic mode)")
+    try:  # the recipe's rules for these keys (--float-atomics needs a window with an atomic backward)
+        ModelArgs(nsa=NSA).validate()
+    except ValueError as e:
+        parser.error(f"{e} (--window-backend, --float-atomics)")
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "
