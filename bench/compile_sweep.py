@@ -6,13 +6,13 @@
     python bench/compile_sweep.py recipes/nsa_125m_fsdp2.toml --grid compile.enable=false,true \
         --launcher "NGPU=2 ./run.sh"
 
-Each cell is a fresh process (Dynamo's counters and caches are per process) with its own inductor and Triton
-cache under OUT, so no cell compiles faster because an earlier one warmed a cache (--keep-inductor-cache shares
-one). With --devices, cells run concurrently, one per GPU set. Results come from the cell's tensorboard events;
-a failing or timed-out cell is recorded, never fatal. Writes OUT/sweep.md and OUT/sweep.csv (rewritten as each
-cell ends, so an interrupted sweep keeps what it measured), OUT/<cell>/output.log, and the cell's overrides and
-results as tensorboard hparams into OUT/<cell>/tb: `tensorboard --logdir OUT` compares the cells in its HParams
-tab.
+Each cell is a fresh process (Dynamo's counters and caches are per process) with its own inductor and Triton cache
+under OUT, so no cell compiles faster because an earlier one warmed a cache (--keep-inductor-cache shares one). With
+--devices, cells run concurrently, one per GPU set. Results come from the cell's tensorboard events; a failing or
+timed-out cell is recorded, never fatal. Writes OUT/sweep.md (headed by the date and the machine: GPUs, CPU, torch
+and triton versions) and OUT/sweep.csv (rewritten as each cell ends, so an interrupted sweep keeps what it
+measured), OUT/<cell>/output.log, and the cell's overrides and results as tensorboard hparams into OUT/<cell>/tb:
+`tensorboard --logdir OUT` compares the cells in its HParams tab.
 
 Columns: compile_s = step 1's time minus the median steady step time (what compiling added to step 1);
 to_step1_s = wall time from launch to the end of step 1 (imports, data, model build and compile); tokens_per_s
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import itertools
 import os
+import platform
 import re
 import shlex
 import signal
@@ -192,6 +194,31 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine() -> str:
+    """What a sweep ran on, for its table's header: the GPUs (nvidia-smi), the host's CPU and the torch and triton
+    versions. Short-sequence throughput depends on the CPU as well as the GPU (nsa-125m at T = 2048 on one H100
+    host: 231,584 tokens/s, and 309,186 once CUDA graphs took the host out; docs/PERFORMANCE.md)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+        gpus = ", ".join(f"{names.count(n)} x {n.replace(', ', ' (driver ')})" for n in dict.fromkeys(names))
+    except (OSError, subprocess.SubprocessError):
+        gpus = "no GPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    import torch  # only here: the sweep's own process runs no torch (its version string names the CUDA build)
+
+    versions = f"torch {torch.__version__}"
+    try:
+        versions += f", triton {importlib.metadata.version('triton')}"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return f"Machine: {gpus or 'no GPU'}; CPU {cpu}, {os.cpu_count()} cores; {versions}.\n"
+
+
 def save_table(out: Path, stem: str, header: str, rows: list[dict], columns: list[str]) -> str:
     """Write OUT/<stem>.md (header + markdown table) and OUT/<stem>.csv (the columns only); returns the table."""
     table = markdown_table(rows, columns)
@@ -229,7 +256,7 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
 
     header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
               f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
-              "compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
+              f"{machine()}compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
     columns = ["cell", *domains, *COLUMNS]
     slots: queue.Queue = queue.Queue()
     for device in devices or [None]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from tests.test_train import env, event_files, scalars
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +71,8 @@ def test_grid_sweep_one_row_per_cell(tmp_path):
     table = (out / "sweep.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| compile.enable=")]
     assert len(rows) == 2 and "| ok |" in rows[0] and "| ok |" in rows[1]
+    machine = table[1]  # under the title: what the sweep ran on
+    assert machine.startswith("Machine: ") and "; CPU " in machine and f" cores; torch {torch.__version__}" in machine
 
 
 def test_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
