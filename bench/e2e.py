@@ -14,8 +14,8 @@ Each optimizer step ends in a device sync (the trainer's finiteness check), so w
 at short T, where enqueueing an NSA step takes the host most of the step's GPU time (nsa-125m, 16 x 2048, H200:
 57-87 ms of ~100 ms), a slower host then shows as a slower run (there 0.57-0.65 of dense by run with one
 micro-batch per step, 0.64-0.65 with four; docs/PERFORMANCE.md, session 15). Compare with several micro-batches
-per step, repeat the runs, or take the host out with CUDA graphs (`--set compile.mode=reduce-overhead`; at 2048 they
-kept nsa-125m at its fast-host rate on a slower host: docs/PERFORMANCE.md, session 27).
+per step, repeat the runs, or take the host out with CUDA graphs (`--set compile.mode=reduce-overhead`: nsa-125m at
+2048 on a slower H100 host went from 231,584 to 309,186 tokens/s; docs/PERFORMANCE.md, session 27).
 """
 
 from __future__ import annotations
