@@ -201,9 +201,9 @@ def machine() -> str:
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
-        gpus = ", ".join(f"{names.count(n)} x {n.replace(', ', ' (driver ')})" for n in dict.fromkeys(names))
     except (OSError, subprocess.SubprocessError):
-        gpus = "no GPU"
+        names = []
+    gpus = ", ".join(f"{names.count(n)} x {n.replace(', ', ' (driver ')})" for n in dict.fromkeys(names)) or "no GPU"
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -216,7 +216,7 @@ def machine() -> str:
         versions += f", triton {importlib.metadata.version('triton')}"
     except importlib.metadata.PackageNotFoundError:
         pass
-    return f"Machine: {gpus or 'no GPU'}; CPU {cpu}, {os.cpu_count()} cores; {versions}.\n"
+    return f"Machine: {gpus}; CPU {cpu}, {os.cpu_count()} cores; {versions}.\n"
 
 
 def save_table(out: Path, stem: str, header: str, rows: list[dict], columns: list[str]) -> str:
@@ -256,7 +256,8 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
 
     header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
               f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
-              f"{machine()}compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
+              f"{machine()}"
+              "compile_s: step 1 minus the median steady step; to_step1_s: launch to the end of step 1.\n\n")
     columns = ["cell", *domains, *COLUMNS]
     slots: queue.Queue = queue.Queue()
     for device in devices or [None]:
