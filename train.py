@@ -223,7 +223,7 @@ class Trainer:
         """The chosen NSA backend must be able to run here: no silent fallback to another one."""
         import torch
 
-        from nsa_models.args import WINDOW_PACKAGES, missing_window_package
+        from nsa_models.args import BUILT_IN_BACKENDS, LIBRARY_PACKAGES, missing_package
 
         nsa = self.config.model.nsa
         if self.config.model.attention != "nsa" or nsa.backend == "reference":
@@ -234,11 +234,13 @@ class Trainer:
         if self.device.type != "cuda":
             raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
                               f"{self.device.type}): set --model.nsa.backend reference")
-        if nsa.window_backend in WINDOW_PACKAGES and not _importable(WINDOW_PACKAGES[nsa.window_backend][0]):
-            raise ConfigError(missing_window_package(nsa.window_backend))
-        if nsa.window_backend == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
-            raise ConfigError("model.nsa.window_backend = 'flash_attn_4' runs bf16 only: set "
-                              "training.mixed_precision = 'bf16' (or 'auto'), or window_backend = 'flex'")
+        for key in BUILT_IN_BACKENDS:  # the keys that may name a library
+            choice = getattr(nsa, key)
+            if choice in LIBRARY_PACKAGES and not _importable(LIBRARY_PACKAGES[choice][0]):
+                raise ConfigError(missing_package(key, choice))
+            if choice == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
+                raise ConfigError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
+                                  f"'bf16' (or 'auto'), or {key} = {BUILT_IN_BACKENDS[key][0]!r}")
 
     def _autocast(self):
         import torch

@@ -3,9 +3,11 @@
     python bench/attention.py                       # T = 8k, 16k, 32k, 64k, then G = 1, 4, 16 at 32k
     python bench/attention.py --seq-lens 8192 --groups
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
+    python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
-- per branch of the `triton` backend: compressed attention, selection (scores + top-n, forward only: not
+- per branch of the `triton` backend: compressed attention (--cmp-backend: Triton, or FlashAttention-4 over
+  queries packed as heads), selection (scores + top-n, forward only: not
   differentiated), selected attention (n=16 random valid blocks), sliding window (--window-backend: FlexAttention
   by default, or FlashAttention-4, whose backward is deterministic unless --float-atomics);
 - `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
@@ -42,8 +44,8 @@ from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
 from nsa_models.flops import mean_keys_per_query  # noqa: E402
 from nsa_models.nsa import triton_compressed, triton_selected, window_mask  # noqa: E402
 from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
-from nsa_models.nsa.triton_backend import nsa_triton, window_attention  # noqa: E402
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn  # noqa: E402
+from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention  # noqa: E402
+from nsa_models.nsa.triton_compressed import select_topn  # noqa: E402
 from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
 
 # backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
@@ -108,10 +110,10 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     q, k, v, k_cmp, v_cmp, gates = inputs
     scale = D ** -0.5
     cmp = (NSA.cmp_block_size, NSA.cmp_stride)
-    rows = [("compressed (triton)", *time_ms(lambda: compressed_attention_fwd(q, k_cmp, v_cmp, *cmp, scale)[0],
-                                             [q, k_cmp, v_cmp]))]
+    compressed = lambda: compressed_attention(q, k_cmp, v_cmp, NSA, scale)[0]  # noqa: E731
+    rows = [(f"compressed ({NSA.cmp_backend})", *time_ms(compressed, [q, k_cmp, v_cmp]))]
     with torch.no_grad():
-        lse = compressed_attention_fwd(q, k_cmp, v_cmp, *cmp, scale)[1]
+        lse = compressed_attention(q, k_cmp, v_cmp, NSA, scale)[1]
     rows.append(("selection: scores + top-n (triton)", *time_ms(
         lambda: select_topn(q, k_cmp, lse, *cmp, NSA.sel_block_size, NSA.n_selected, scale)[0], [], False)))
     idx = random_block_indices(B, H, T, NSA.n_selected, NSA.sel_block_size, device)
@@ -230,8 +232,11 @@ def main() -> None:
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
     parser.add_argument("--window-backend", choices=["flex", "flash_attn_4"], default="flex",
                         help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
+    parser.add_argument("--cmp-backend", choices=["triton", "flash_attn_4"], default="triton",
+                        help="the NSA core's compressed-attention kernels (model.nsa.cmp_backend)")
     parser.add_argument("--float-atomics", action="store_true",
-                        help="the window's backward with float atomics (model.nsa.float_atomics; FA4 window only)")
+                        help="the FA4 backwards with float atomics (model.nsa.float_atomics; FA4 window or "
+                             "compressed branch only)")
     parser.add_argument("--profile", action="store_true",
                         help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
@@ -240,15 +245,17 @@ def main() -> None:
     # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
-    NSA.window_backend, NSA.float_atomics = args.window_backend, args.float_atomics  # before the core compiles
-    try:  # the recipe's rules for these keys (--float-atomics needs a window with an atomic backward)
+    # before the core compiles
+    NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
+    try:  # the recipe's rules for these keys (--float-atomics needs a kernel with an atomic backward)
         ModelArgs(nsa=NSA).validate()
     except ValueError as e:
-        parser.error(f"{e} (--window-backend, --float-atomics)")
+        parser.error(f"{e} (--window-backend, --cmp-backend, --float-atomics)")
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "
-          f"D={D} bf16, window {args.window_backend}{' with float atomics' if args.float_atomics else ''}, ms",
+          f"D={D} bf16, window {args.window_backend}, compressed {args.cmp_backend}"
+          f"{', float atomics' if args.float_atomics else ''}, ms",
           flush=True)
     for T in args.seq_lens:
         rows = bench_length(T, args.batch, HQ, H, D)

@@ -38,12 +38,17 @@ class NSAArgs:
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
     window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
     docs/PERFORMANCE.md). The `reference` backend computes the window itself and ignores this key."""
+    cmp_backend: Literal["triton", "flash_attn_4"] = "triton"
+    """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
+    kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
+    consecutive queries is packed as heads (`fa4.fa4_compressed_attention`). Measured (H200, the compiled core at
+    64 heads of 128, G = 16): 2% faster at 64k, 3-11% slower from 8k to 32k (docs/PERFORMANCE.md, session 28)."""
     float_atomics: bool = False
-    """Let the window's library backward (window_backend `flash_attn` or `flash_attn_4`) accumulate its gradients
-    with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 -> 7.97 ms fwd+bwd; no gain
-    measured for nsa-125m end to end; docs/PERFORMANCE.md session 26), but no longer bitwise repeatable, so the
-    same seed and recipe may give other losses. Off: every NSA backward kernel is deterministic. The Triton
-    kernels have no atomic variant (measured slower, session 20)."""
+    """Let the library backwards (window_backend `flash_attn` or `flash_attn_4`, cmp_backend `flash_attn_4`)
+    accumulate their gradients with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 ->
+    7.97 ms fwd+bwd; no gain measured for nsa-125m end to end; docs/PERFORMANCE.md session 26), but no longer
+    bitwise repeatable, so the same seed and recipe may give other losses. Off: every NSA backward kernel is
+    deterministic. The Triton kernels have no atomic variant (measured slower, session 20)."""
     query_chunk: int = 512
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
 
@@ -52,15 +57,18 @@ class NSAArgs:
         return self.cmp_mlp_hidden or max(head_dim, self.cmp_block_size * head_dim // 8)
 
 
-# window_backend -> (the module it imports, the pip package that provides it), for the optional ones
-WINDOW_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
+# window_backend / cmp_backend -> (the module it imports, the pip package that provides it), for the optional ones
+LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
+# the choices of each library-backed key that need no extra package (what its errors offer instead)
+BUILT_IN_BACKENDS = {"window_backend": ("flex", "sdpa"), "cmp_backend": ("triton",)}
 
 
-def missing_window_package(window_backend: str) -> str:
-    """The one-line error for a window backend whose package (WINDOW_PACKAGES) is not installed."""
-    package = WINDOW_PACKAGES[window_backend][1]
-    return (f"model.nsa.window_backend = {window_backend!r} needs the {package} package (pip install {package}); "
-            "or set it to 'flex' or 'sdpa'")
+def missing_package(key: str, backend: str) -> str:
+    """The one-line error for model.nsa.<key> = backend (window_backend or cmp_backend) whose package
+    (LIBRARY_PACKAGES) is not installed."""
+    package = LIBRARY_PACKAGES[backend][1]
+    return (f"model.nsa.{key} = {backend!r} needs the {package} package (pip install {package}); or set it to "
+            + " or ".join(map(repr, BUILT_IN_BACKENDS[key])))
 
 
 @dataclass
@@ -124,9 +132,13 @@ class ModelArgs:
                 (a.n_selected >= 3, "nsa.n_selected", "must be >= 3 (block 0 and the two most recent are forced)"),
                 (a.window_size >= 1, "nsa.window_size", "must be >= 1"),
                 (a.query_chunk >= 1, "nsa.query_chunk", "must be >= 1"),
-                (not a.float_atomics or (a.backend == "triton" and a.window_backend in WINDOW_PACKAGES),
+                (a.cmp_backend == "triton" or a.backend == "triton", "nsa.cmp_backend",
+                 "= 'flash_attn_4' needs backend = 'triton' (the reference computes every branch itself)"),
+                (not a.float_atomics or (a.backend == "triton" and (a.window_backend in LIBRARY_PACKAGES
+                                                                    or a.cmp_backend in LIBRARY_PACKAGES)),
                  "nsa.float_atomics", "= true needs backend = 'triton' with window_backend = 'flash_attn' or "
-                 "'flash_attn_4' (the only kernels with an atomic backward); set it to false"),
+                 "'flash_attn_4', or cmp_backend = 'flash_attn_4' (the only kernels with an atomic backward); set it "
+                 "to false"),
             ]
         for ok, key, why in checks:
             if not ok:

@@ -105,7 +105,11 @@ BAD_INPUT = [
     (None, ["--model.n_kv_heads", "3"], "model.n_kv_heads must divide model.n_heads"),
     (None, ["--model.nsa.cmp_stride", "5"], "model.nsa.cmp_stride must divide model.nsa.cmp_block_size"),
     (None, ["--model.nsa.float_atomics", "true"],
-     "model.nsa.float_atomics = true needs backend = 'triton' with window_backend = 'flash_attn' or 'flash_attn_4'"),
+     "model.nsa.float_atomics = true needs backend = 'triton' with window_backend = 'flash_attn' or 'flash_attn_4', "
+     "or cmp_backend = 'flash_attn_4'"),
+    (None, ["--model.nsa.cmp_backend", "flash_attn_4"],
+     "model.nsa.cmp_backend = 'flash_attn_4' needs backend = 'triton'"),
+    (None, ["--model.nsa.cmp_backend", "cudnn"], "model.nsa.cmp_backend = 'cudnn'"),
     (None, ["--model.nsa.float_atomics", "true", "--model.nsa.backend", "triton", "--model.nsa.window_backend",
             "flash_attn_4", "--debug.deterministic", "true"],
      "model.nsa.float_atomics = true contradicts debug.deterministic = true"),

@@ -119,17 +119,36 @@ def test_importable_checks_submodules_without_failing_on_a_missing_parent():
 
 
 @pytest.mark.gpu
-def test_flash_attn_4_window_needs_bf16_compute():
-    """The FA4 window takes bf16 only: an fp32 plan is a one-line config error before anything is built."""
+@pytest.mark.parametrize("key,instead", [("window_backend", "'flex'"), ("cmp_backend", "'triton'")])
+def test_flash_attn_4_needs_bf16_compute(key: str, instead: str):
+    """FA4 takes bf16 only: an fp32 plan is a one-line config error before anything is built."""
     needs_flash_attn_4()
     from nsa_models.nsa.core import BACKENDS
 
-    nsa = NSAArgs(backend="triton", window_backend="flash_attn_4")
+    nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
     plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
                            device=torch.device("cuda"), compute_dtype=torch.float32)
-    with pytest.raises(ConfigError, match="window_backend = 'flash_attn_4' runs bf16 only"):
+    with pytest.raises(ConfigError, match=f"{key} = 'flash_attn_4' runs bf16 only.* or {key} = {instead}"):
         Trainer._check_nsa_backend(plan, BACKENDS)
     Trainer._check_nsa_backend(SimpleNamespace(**{**vars(plan), "compute_dtype": torch.bfloat16}), BACKENDS)
+
+
+def test_a_missing_library_is_one_line_naming_the_key(monkeypatch):
+    """A library backend whose package is not installed: a config error naming the key, the package and the
+    built-in choices (before anything is built)."""
+    import train
+
+    monkeypatch.setattr(train, "_importable", lambda name: False)
+    for key, message in [("window_backend", "model.nsa.window_backend = 'flash_attn_4' needs the flash-attn-4 "
+                                            "package (pip install flash-attn-4); or set it to 'flex' or 'sdpa'"),
+                         ("cmp_backend", "model.nsa.cmp_backend = 'flash_attn_4' needs the flash-attn-4 package "
+                                         "(pip install flash-attn-4); or set it to 'triton'")]:
+        nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
+        plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
+                               device=torch.device("cuda"), compute_dtype=torch.bfloat16)
+        with pytest.raises(ConfigError) as error:
+            Trainer._check_nsa_backend(plan, {"triton": None})
+        assert str(error.value) == message
 
 
 def test_print_config_round_trips(tmp_path):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
-from nsa_models.nsa.fa4_window import fa4_window_attention
+from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
@@ -100,11 +100,23 @@ def test_backend_with_flash_attn_4_window(T: int, G: int, D: int):
     check_backend(T, G, D, HYPERS[0], torch.bfloat16, "flash_attn_4", separate=T == 1000)
 
 
-@pytest.mark.parametrize("G,D", [(3, 64), (16, 128)])
-def test_backend_with_flash_attn_4_window_and_float_atomics(G: int, D: int):
-    """model.nsa.float_atomics: FA4's atomic backward, within the same bounds as the deterministic one."""
+@pytest.mark.parametrize("T", [1, 31, 1000, 4113])
+@pytest.mark.parametrize("G,D", [(1, 128), (3, 64), (16, 128)])
+def test_backend_with_flash_attn_4_compressed(T: int, G: int, D: int):
+    """cmp_backend = 'flash_attn_4' (queries packed as heads): T < l (no block visible), T not a multiple of d,
+    both block configurations (l = 2d and l = d)."""
     needs_flash_attn_4()
-    check_backend(4113, G, D, {**HYPERS[0], "float_atomics": True}, torch.bfloat16, "flash_attn_4", separate=False)
+    hyper = HYPERS[(T + G) % 2]
+    check_backend(T, G, D, {**hyper, "cmp_backend": "flash_attn_4"}, torch.bfloat16, "flash_attn_4",
+                  separate=T == 1000)
+
+
+@pytest.mark.parametrize("G,D", [(3, 64), (16, 128)])
+def test_backend_with_flash_attn_4_and_float_atomics(G: int, D: int):
+    """model.nsa.float_atomics: FA4's atomic backward (window and compressed), within the deterministic bounds."""
+    needs_flash_attn_4()
+    check_backend(4113, G, D, {**HYPERS[0], "float_atomics": True, "cmp_backend": "flash_attn_4"}, torch.bfloat16,
+                  "flash_attn_4", separate=False)
 
 
 def test_flash_attn_4_window_rejects_fp32():
@@ -139,20 +151,24 @@ def test_long_sequence_forward_and_deterministic_backward(G: int):
         assert torch.equal(a, b)
 
 
-def test_compressed_long_sequence():
+@pytest.mark.parametrize("cmp_backend", ["triton", "flash_attn_4"])
+def test_compressed_long_sequence(cmp_backend: str):
     """T = 65536, G = 16, D = 128: compressed attention and its gradients against SDPA with the visibility mask
     (fp32), the selection against the reference's scores, and a bitwise reproducible backward."""
+    if cmp_backend == "flash_attn_4":
+        needs_flash_attn_4()
+    compressed_attention = compressed_attention_fwd if cmp_backend == "triton" else fa4_compressed_attention
     B, T, H, G, D, l, d = 1, 65536, 1, 16, 128, 32, 16
     args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=64, n_selected=16)
     n_cmp = num_cmp_blocks(T, l, d)
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, t, h, D, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
                for t, h in ((T, H * G), (n_cmp, H), (n_cmp, H)))
-    o, lse = compressed_attention_fwd(q, k, v, l, d, D ** -0.5)
+    o, lse = compressed_attention(q, k, v, l, d, D ** -0.5)
     cot = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v), cot)
     assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(
-        compressed_attention_fwd(q, k, v, l, d, D ** -0.5)[0], (q, k, v), cot)))
+        compressed_attention(q, k, v, l, d, D ** -0.5)[0], (q, k, v), cot)))
     # Queries from l - 1 on see at least one block (SDPA would give NaN rows before); they alone have gradients.
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     t = torch.arange(l - 1, T, device="cuda")
@@ -170,15 +186,16 @@ def test_compressed_long_sequence():
     assert_valid_selection(idx, scores, 16, tol=1e-3)
 
 
-@pytest.mark.parametrize("window_backend", ["flex", "sdpa", "flash_attn_4"])
-def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_backend: str):
+@pytest.mark.parametrize("window_backend,cmp_backend", [("flex", "triton"), ("sdpa", "triton"),
+                                                         ("flash_attn_4", "triton"), ("flash_attn_4", "flash_attn_4")])
+def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_backend: str, cmp_backend: str):
     """The whole backend under torch.compile(fullgraph=True): no graph break, the eager result; and with the
     FlexAttention or FA4 window its backward run twice gives bitwise the same gradients (the masked-SDPA window
     runs the memory-efficient kernel, whose backward is not bitwise reproducible)."""
-    if window_backend == "flash_attn_4":
+    if "flash_attn_4" in (window_backend, cmp_backend):
         needs_flash_attn_4()
     args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512,
-                   window_backend=window_backend)
+                   window_backend=window_backend, cmp_backend=cmp_backend)
     leaves = make_leaves(1, 2000, 2, 4, 64, args, torch.bfloat16, separate=False)
     cot = torch.randn(1, 2000, 8, 64, device="cuda")
 
@@ -196,10 +213,14 @@ def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_ba
         assert all(torch.equal(a, b) for a, b in zip(eager_grads, again))
 
 
-def test_forward_and_backward_never_wait_on_the_gpu():
+@pytest.mark.parametrize("cmp_backend", ["triton", "flash_attn_4"])
+def test_forward_and_backward_never_wait_on_the_gpu(cmp_backend: str):
     """No device-to-host sync in the backend's forward or backward: a sync stalls the host's kernel launches (the
     GPU idles until the host catches up) and cannot be captured in a CUDA graph."""
-    args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
+    if cmp_backend == "flash_attn_4":
+        needs_flash_attn_4()
+    args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512,
+                   cmp_backend=cmp_backend)
     leaves = make_leaves(1, 2000, 2, 4, 64, args, torch.bfloat16, separate=False)
     mask = window_block_mask(2000, args.window_size, torch.device("cuda"))
 

@@ -1,14 +1,15 @@
 """The `triton` NSA backend: Triton kernels for the compressed and selected branches and the selection, library
-kernels for the window.
+kernels for the window (and, when chosen, FlashAttention-4 for the compressed branch).
 
 Same contract as `nsa_reference`. Branches:
-- compressed attention: `triton_compressed.compressed_attention_fwd` (custom op, deterministic backward), which
-  also returns the log-sum-exp the selection needs;
+- compressed attention: `triton_compressed.compressed_attention_fwd` (custom op, deterministic backward), or
+  FlashAttention-4 over queries packed as heads (`cmp_backend = "flash_attn_4"`, `fa4.fa4_compressed_attention`);
+  either also returns the log-sum-exp the selection needs;
 - selection scores and top-n: `triton_compressed.select_topn` (custom op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward);
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
-  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4_window`; Hopper and newer). FlexAttention has no CPU
+  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer). FlexAttention has no CPU
   backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
 """
 
@@ -22,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from nsa_models.args import NSAArgs, missing_window_package
-from nsa_models.nsa.fa4_window import fa4_window_attention
+from nsa_models.args import NSAArgs, missing_package
+from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
 
@@ -67,7 +68,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
         try:
             from flash_attn import flash_attn_func
         except ImportError as e:
-            raise ImportError(missing_window_package("flash_attn")) from e
+            raise ImportError(missing_package("window_backend", "flash_attn")) from e
         # deterministic unless the recipe opts in to atomics: a bitwise-repeatable backward, as every NSA kernel's
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=not args.float_atomics)
     if args.window_backend == "flash_attn_4":
@@ -85,6 +86,15 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
     return out.transpose(1, 2)
 
 
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs,
+                         scale: float) -> tuple[Tensor, Tensor]:
+    """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
+    if args.cmp_backend == "flash_attn_4":
+        return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
+                                        deterministic=not args.float_atomics)
+    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale)
+
+
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
                window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -93,7 +103,7 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("model.nsa.backend = 'triton' needs a CUDA device; use backend = 'reference' on CPU")
     scale = q.shape[-1] ** -0.5
-    o_cmp, lse = compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale)
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale)
     # The selection is not differentiated (the spec's top-n is piecewise constant): detached inputs.
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
                                   args.sel_block_size, args.n_selected, scale)
