@@ -7,9 +7,9 @@
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention (--cmp-backend: Triton, or FlashAttention-4 over
-  queries packed as heads), selection (scores + top-n, forward only: not
-  differentiated), selected attention (n=16 random valid blocks), sliding window (--window-backend: FlexAttention
-  by default, or FlashAttention-4, whose backward is deterministic unless --float-atomics);
+  queries packed as heads), selection (scores + top-n, forward only: not differentiated), selected attention (n=16
+  random valid blocks), sliding window (--window-backend: FlexAttention by default, or FlashAttention-4); the FA4
+  backwards are deterministic unless --float-atomics;
 - `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
   and `compiled` (torch.compile, fullgraph, the window mask built once outside, as the model runs it: the gating,
   softmax-delta and cast glue fuse). The ratios, the group sweep and --profile use the compiled core;

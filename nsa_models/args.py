@@ -42,7 +42,8 @@ class NSAArgs:
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
     consecutive queries is packed as heads (`fa4.fa4_compressed_attention`). Measured (H200, the compiled core at
-    64 heads of 128, G = 16): 2% faster at 64k, 3-11% slower from 8k to 32k (docs/PERFORMANCE.md, session 28)."""
+    64 heads of 128, G = 16, one run): 4% faster at 64k, even at 32k, 11% slower at 8k (docs/PERFORMANCE.md,
+    session 28)."""
     float_atomics: bool = False
     """Let the library backwards (window_backend `flash_attn` or `flash_attn_4`, cmp_backend `flash_attn_4`)
     accumulate their gradients with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 ->

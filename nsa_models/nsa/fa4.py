@@ -36,8 +36,8 @@ def fa4_causal_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
     window > 0, j > i + Tk - Tq - window; and the natural-log lse [B, HQ, Tq] (fp32). deterministic: the mode of
     the backward. q, k, v need a contiguous last dim only (packed query views pass as they are)."""
     out, lse, *_ = _kernels()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True,
-                                                              window_size_left=_window_left(window),
-                                                              window_size_right=0, return_lse=True)
+                                              window_size_left=_window_left(window), window_size_right=0,
+                                              return_lse=True)
     return out, lse
 
 
@@ -136,4 +136,5 @@ def fa4_compressed_attention(q: Tensor, k: Tensor, v: Tensor, block: int, stride
         # No group ran (T <= l - d): k and v are empty. Keep them in the graph, as the Triton op does, since DDP
         # expects every parameter of phi to receive a gradient.
         o = o + 0 * (k.sum() + v.sum()).to(o.dtype)
-    return o, torch.cat(lses, 2).reshape(B, n_pos * stride, HQ)[:, :T]  # (cat keeps the permuted layout)
+    # reshape, not view: cat may give its result the permuted strides of the groups' lse
+    return o, torch.cat(lses, 2).reshape(B, n_pos * stride, HQ)[:, :T]
