@@ -110,8 +110,8 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     q, k, v, k_cmp, v_cmp, gates = inputs
     scale = D ** -0.5
     cmp = (NSA.cmp_block_size, NSA.cmp_stride)
-    compressed = lambda: compressed_attention(q, k_cmp, v_cmp, NSA, scale)[0]  # noqa: E731
-    rows = [(f"compressed ({NSA.cmp_backend})", *time_ms(compressed, [q, k_cmp, v_cmp]))]
+    rows = [(f"compressed ({NSA.cmp_backend})",
+             *time_ms(lambda: compressed_attention(q, k_cmp, v_cmp, NSA, scale)[0], [q, k_cmp, v_cmp]))]
     with torch.no_grad():
         lse = compressed_attention(q, k_cmp, v_cmp, NSA, scale)[1]
     rows.append(("selection: scores + top-n (triton)", *time_ms(

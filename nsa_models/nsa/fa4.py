@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nsa_models.args import missing_package
+from nsa_models.args import BUILT_IN_BACKENDS, missing_package
 
 
 def _kernels():
@@ -76,12 +76,12 @@ def _backward(ctx, do, dlse):
 fa4_causal_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(q: Tensor, key: str, instead: str) -> None:
+def _check(q: Tensor, key: str) -> None:
     """What model.nsa.<key> = 'flash_attn_4' needs: bf16 or fp16 inputs on a GPU, and the package."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"model.nsa.{key} = 'flash_attn_4' needs bf16 or fp16 inputs on a CUDA GPU (Hopper or "
                          f"newer), got {q.dtype} on {q.device.type}: train with bf16 autocast, or set it to "
-                         f"{instead!r}")
+                         f"{BUILT_IN_BACKENDS[key][0]!r}")
     try:
         _kernels()
     except ImportError as e:
@@ -91,7 +91,7 @@ def _check(q: Tensor, key: str, instead: str) -> None:
 def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, deterministic: bool = True) -> Tensor:
     """Attention of q [B, T, HQ, D] over keys t-window+1 .. t of k, v [B, T, H, D] (H dividing HQ); [B, T, HQ, D].
     deterministic=False: a backward with float atomics (faster, not bitwise repeatable)."""
-    _check(q, "window_backend", "flex")
+    _check(q, "window_backend")
     # Contiguous once here: the op saves its inputs for the backward, which then needs no copies of its own.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return fa4_causal_fwd(q, k, v, window, q.shape[-1] ** -0.5, deterministic)[0]
@@ -110,15 +110,16 @@ def fa4_compressed_attention(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     tau - c. Each key/value head is repeated once per packed query row r, so that FA's grouping of query heads
     (head r HQ + h G + g reads key head (r H + h)) stays the model's. Positions past T (T padded to a multiple of
     d) and the zero keys padded past Nc are never visible to real queries."""
-    _check(q, "cmp_backend", "triton")
+    _check(q, "cmp_backend")
     B, T, HQ, D = q.shape
     n_cmp, H = k.shape[1], k.shape[2]
     n_pos = -(-T // stride)
     if n_pos * stride != T:
         q = F.pad(q, (0, 0, 0, 0, 0, n_pos * stride - T))
     q_runs = q.view(B, n_pos, stride, HQ, D)
+    bulk_offset = block // stride  # positions; the last row of a run sees one more block
     outs, lses = [], []
-    for r0, r1, offset in ((0, stride - 1, block // stride), (stride - 1, stride, block // stride - 1)):
+    for r0, r1, offset in ((0, stride - 1, bulk_offset), (stride - 1, stride, bulk_offset - 1)):
         R, n = r1 - r0, n_pos - offset
         if R == 0:  # stride 1: every query is the last of its run
             continue
@@ -132,7 +133,7 @@ def fa4_compressed_attention(q: Tensor, k: Tensor, v: Tensor, block: int, stride
         outs.append(F.pad(o.view(B, n, R, HQ, D), (0, 0, 0, 0, 0, 0, offset, 0)))
         lses.append(F.pad(lse.view(B, R, HQ, n).permute(0, 3, 1, 2), (0, 0, 0, 0, offset, 0), value=float("-inf")))
     o = torch.cat(outs, 2).view(B, n_pos * stride, HQ, D)[:, :T]
-    if n_pos <= block // stride - 1:
+    if n_pos < bulk_offset:
         # No group ran (T <= l - d): k and v are empty. Keep them in the graph, as the Triton op does, since DDP
         # expects every parameter of phi to receive a gradient.
         o = o + 0 * (k.sum() + v.sum()).to(o.dtype)
