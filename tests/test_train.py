@@ -118,6 +118,13 @@ def test_importable_checks_submodules_without_failing_on_a_missing_parent():
     assert not _importable("no_such_package.cute")
 
 
+def fa4_plan(key: str, compute_dtype: torch.dtype) -> SimpleNamespace:
+    """What `Trainer._check_nsa_backend` reads of a CUDA run whose model.nsa.<key> is 'flash_attn_4'."""
+    nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
+    return SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
+                           device=torch.device("cuda"), compute_dtype=compute_dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("key,instead", [("window_backend", "'flex'"), ("cmp_backend", "'triton'")])
 def test_flash_attn_4_needs_bf16_compute(key: str, instead: str):
@@ -125,12 +132,9 @@ def test_flash_attn_4_needs_bf16_compute(key: str, instead: str):
     needs_flash_attn_4()
     from nsa_models.nsa.core import BACKENDS
 
-    nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
-    plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
-                           device=torch.device("cuda"), compute_dtype=torch.float32)
     with pytest.raises(ConfigError, match=f"{key} = 'flash_attn_4' runs bf16 only.* or {key} = {instead}"):
-        Trainer._check_nsa_backend(plan, BACKENDS)
-    Trainer._check_nsa_backend(SimpleNamespace(**{**vars(plan), "compute_dtype": torch.bfloat16}), BACKENDS)
+        Trainer._check_nsa_backend(fa4_plan(key, torch.float32), BACKENDS)
+    Trainer._check_nsa_backend(fa4_plan(key, torch.bfloat16), BACKENDS)
 
 
 def test_a_missing_library_is_one_line_naming_the_key(monkeypatch):
@@ -143,11 +147,8 @@ def test_a_missing_library_is_one_line_naming_the_key(monkeypatch):
                                             "package (pip install flash-attn-4); or set it to 'flex' or 'sdpa'"),
                          ("cmp_backend", "model.nsa.cmp_backend = 'flash_attn_4' needs the flash-attn-4 package "
                                          "(pip install flash-attn-4); or set it to 'triton'")]:
-        nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
-        plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
-                               device=torch.device("cuda"), compute_dtype=torch.bfloat16)
         with pytest.raises(ConfigError) as error:
-            Trainer._check_nsa_backend(plan, {"triton": None})
+            Trainer._check_nsa_backend(fa4_plan(key, torch.bfloat16), {"triton": None})
         assert str(error.value) == message
 
 
