@@ -44,7 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from training.config import ConfigError  # noqa: E402
+from nsa_training.config import ConfigError  # noqa: E402
 
 Overrides = dict[str, str]
 COLUMNS = ["status", "exit_code", "compile_s", "to_step1_s", "tokens_per_s", "mfu", "peak_mem_gib", "graph_breaks",

@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import nsa_models.nsa  # noqa: F401  (registers the torch.ops.nsa custom ops of every available backend)
-from training.config import ActivationCheckpointConfig
+from nsa_training.config import ActivationCheckpointConfig
 
 
 def _nsa_ops(*names: str) -> set:

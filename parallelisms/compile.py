@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from training.config import CompileConfig
+from nsa_training.config import CompileConfig
 
 # Inductor modes that replay the compiled graphs as CUDA graphs.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

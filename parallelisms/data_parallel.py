@@ -8,7 +8,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from training.config import ParallelismConfig
+from nsa_training.config import ParallelismConfig
 
 
 def build_mesh(cfg: ParallelismConfig, world_size: int, device_type: str) -> DeviceMesh | None:

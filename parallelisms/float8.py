@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from training.config import ConfigError, Float8Config
+from nsa_training.config import ConfigError, Float8Config
 
 # Module names kept in high precision whatever their size: the NSA gate and the compression MLPs are small and
 # steer which blocks are attended; the output head (the root's `output`) feeds the loss directly.

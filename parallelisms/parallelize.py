@@ -10,7 +10,7 @@ from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import CUDA_GRAPH_MODES, apply_compile
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.float8 import apply_float8
-from training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,
+from nsa_training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,
                              ParallelismConfig)
 
 

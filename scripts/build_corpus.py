@@ -1,4 +1,4 @@
-"""Build the embedded corpus `training/corpus/python_docs.jsonl.gz` (the `data.source = "embedded"` data).
+"""Build the embedded corpus `nsa_training/corpus/python_docs.jsonl.gz` (the `data.source = "embedded"` data).
 
 Real English prose that ships with Python, so that a first training run needs no download: the language-reference
 topics of `pydoc_data.topics`, every docstring of the standard library (modules, classes, functions, methods,

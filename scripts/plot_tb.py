@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.config import ConfigError  # noqa: E402
+from nsa_training.config import ConfigError  # noqa: E402
 
 Curve = tuple[list[int], list[float]]  # steps, values
 # A tag component naming a layer (`layer3`, `layer_3`): curves differing only there share a subplot.

@@ -1,4 +1,4 @@
-"""training.checkpoint: exact resume, atomic saves, pruning, resume selection, weight export.
+"""nsa_training.checkpoint: exact resume, atomic saves, pruning, resume selection, weight export.
 
 Single-process tests run in a 1-process gloo group. This file is also the worker of the subprocess tests:
 `python tests/test_checkpoint.py kill TMP` and `torchrun ... tests/test_checkpoint.py fsdp TMP`.
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
-from training.config import CheckpointConfig, ConfigError
+from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
+from nsa_training.config import CheckpointConfig, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]  # on PYTHONPATH of the subprocess workers, which run this file
 
@@ -157,7 +157,7 @@ def test_keep_prunes_oldest(pg, tmp_path, keep):
 
 
 def test_saves_only_at_interval_or_final_and_once_per_step(pg, tmp_path, monkeypatch):
-    import training.checkpoint as ckpt
+    import nsa_training.checkpoint as ckpt
 
     calls = []
     real_save = ckpt.dcp.save

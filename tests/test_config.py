@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nsa_models.args import get_flavor
-from training.config import Config, ConfigError, config_to_dict, config_to_toml, load_config
+from nsa_training.config import Config, ConfigError, config_to_dict, config_to_toml, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.toml"))

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from training.config import ConfigError, DataConfig  # noqa: E402
-from training.data import build_data_loader  # noqa: E402
-from training.tokenizer import build_tokenizer  # noqa: E402
+from nsa_training.config import ConfigError, DataConfig  # noqa: E402
+from nsa_training.data import build_data_loader  # noqa: E402
+from nsa_training.tokenizer import build_tokenizer  # noqa: E402
 
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) + "é€" * (i % 3) for i in range(40)]  # unique, some UTF-8
 EVAL_DOCS, TRAIN_DOCS = DOCS[0::4], [d for i, d in enumerate(DOCS) if i % 4]  # eval_fraction 0.25 below

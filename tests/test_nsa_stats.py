@@ -18,8 +18,8 @@ from nsa_models.args import NSAArgs
 from nsa_models.model import NSA_STATS, Transformer
 from parallelisms import apply_ac, apply_compile, compile_counters
 from tests.nsa_oracle import _masked_attention
-from training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, load_config
-from training.metrics import nsa_metrics
+from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, load_config
+from nsa_training.metrics import nsa_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 # Queries 0..6 see no compressed block, early ones select fewer than n blocks (-1 padding), late ones choose.

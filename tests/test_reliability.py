@@ -47,7 +47,7 @@ def test_tflops_logged_and_no_mfu_without_a_known_peak(clean_run):
         assert tflops == pytest.approx(per_token * clean_run["perf/tokens_per_s"][step] / 1e12, rel=1e-5)
     assert "perf/mfu" not in clean_run
     warnings = [line for line in clean_run["stderr"].splitlines() if line.startswith("warning:")]
-    assert warnings == ["warning: no peak TFLOP/s known for device 'cpu' (training/metrics.py PEAK_BF16_TFLOPS): "
+    assert warnings == ["warning: no peak TFLOP/s known for device 'cpu' (nsa_training/metrics.py PEAK_BF16_TFLOPS): "
                         "perf/mfu is not logged"]
 
 
@@ -57,7 +57,7 @@ def test_tflops_logged_and_no_mfu_without_a_known_peak(clean_run):
 def test_peak_tflops_by_device_name(monkeypatch, name, peak):
     import torch
 
-    from training.metrics import peak_tflops
+    from nsa_training.metrics import peak_tflops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_tflops(torch.device("cuda", 0)) == peak
@@ -268,7 +268,7 @@ def test_out_of_memory_dumps_the_allocator_history_and_is_one_line(tmp_path, mon
     snapshots go, and the line and status of an out-of-memory error."""
     import torch
 
-    from training.watchdog import MemorySnapshots, ReportFailures, RunFailed
+    from nsa_training.watchdog import MemorySnapshots, ReportFailures, RunFailed
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: calls.append(kwargs))
@@ -299,7 +299,7 @@ def test_out_of_memory_dumps_the_allocator_history_and_is_one_line(tmp_path, mon
 def test_only_collective_failures_and_out_of_memory_become_one_line():
     import torch.distributed as dist
 
-    from training.watchdog import ReportFailures, RunFailed
+    from nsa_training.watchdog import ReportFailures, RunFailed
 
     with pytest.raises(RunFailed, match=r"^rank 2: step 8: a collective failed \(Watchdog caught collective "
                                         r"operation timeout\): .* debug.init_timeout_s = 60 s;") as raised:
@@ -312,7 +312,7 @@ def test_only_collective_failures_and_out_of_memory_become_one_line():
 
 
 def test_flight_recorder_settings_fill_in_only_what_the_user_left_unset(tmp_path, monkeypatch):
-    from training.watchdog import enable_flight_recorder
+    from nsa_training.watchdog import enable_flight_recorder
 
     names = ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
              "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]

@@ -69,7 +69,7 @@ def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
 
 def test_per_rank_tokens_and_argument_errors(capsys):
     from bench.scaling import main, tokens_per_rank
-    from training.config import ConfigError
+    from nsa_training.config import ConfigError
 
     assert tokens_per_rank("recipes/debug.toml", {}, 1) == 8 * 256  # the recipe's micro-batch of 8 x 256
     assert tokens_per_rank("recipes/debug.toml", {"data.seq_len": "64"}, 3) == 8 * 64 * 3

@@ -14,8 +14,8 @@ import torch
 
 from nsa_models.args import NSAArgs
 from tests.conftest import needs_flash_attn_4
-from train import Trainer, _importable
-from training.config import ConfigError
+from nsa_training.trainer import Trainer, _importable
+from nsa_training.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 # Small steps: 4 sequences of 128 tokens of the debug model.
@@ -140,7 +140,7 @@ def test_flash_attn_4_needs_bf16_compute(key: str, instead: str):
 def test_a_missing_library_is_one_line_naming_the_key(monkeypatch):
     """A library backend whose package is not installed: a config error naming the key, the package and the
     built-in choices (before anything is built)."""
-    import train
+    from nsa_training import trainer as train
 
     monkeypatch.setattr(train, "_importable", lambda name: False)
     for key, message in [("window_backend", "model.nsa.window_backend = 'flash_attn_4' needs the flash-attn-4 "
@@ -160,7 +160,7 @@ def test_print_config_round_trips(tmp_path):
     saved = tmp_path / "resolved.toml"
     saved.write_text(result.stdout)
     sys.path.insert(0, str(REPO))
-    from training.config import load_config
+    from nsa_training.config import load_config
 
     config, _ = load_config([str(saved)])
     assert config.model.nsa.window_size == 48

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
 from parallelisms import build_mesh, parallelize  # noqa: E402
-from training.config import (ActivationCheckpointConfig, CompileConfig, Float8Config,  # noqa: E402
+from nsa_training.config import (ActivationCheckpointConfig, CompileConfig, Float8Config,  # noqa: E402
                              ParallelismConfig)
 
 SEQ_LEN, GLOBAL_BATCH = 64, 4

@@ -11,9 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from training.config import ConfigError
+from nsa_training.config import ConfigError
 
 HANG_EXIT_CODE = 3
+DIVERGED_EXIT_CODE = 4
 COLLECTIVE_EXIT_CODE = 5
 OOM_EXIT_CODE = 6
 

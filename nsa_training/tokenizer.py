@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from training.config import ConfigError
+from nsa_training.config import ConfigError
 
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<eos>")  # the usual spellings, tried in this order
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from nsa_models.model import NSA_STATS, distance_bin_starts
-from training.config import MetricsConfig
+from nsa_training.config import MetricsConfig
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from training.config import LRSchedulerConfig, OptimizerConfig
+from nsa_training.config import LRSchedulerConfig, OptimizerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.AdamW:

@@ -1,7 +1,7 @@
 """Token batches for training and evaluation: documents -> tokens + EOS -> packed windows of seq_len+1 tokens.
 
 `data.source` picks the documents:
-- `embedded`: the Python-docs corpus shipped in `training/corpus/` (built by `scripts/build_corpus.py`);
+- `embedded`: the Python-docs corpus shipped in `nsa_training/corpus/` (built by `scripts/build_corpus.py`);
 - `synthetic`: seeded random token ids, no documents at all (benchmarks);
 - a local .jsonl/.json/.parquet/.txt file, or a folder of them (all, sorted; .txt gives one document per line);
 - `hf://NAME`: a hub dataset, streamed.
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from training.config import ConfigError, DataConfig
-from training.tokenizer import Tokenizer, build_tokenizer
+from nsa_training.config import ConfigError, DataConfig
+from nsa_training.tokenizer import Tokenizer, build_tokenizer
 
 EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # extension -> datasets builder

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.config import CheckpointConfig, ConfigError
+from nsa_training.config import CheckpointConfig, ConfigError
 
 _COMPLETE_NAME = re.compile(r"step-\d{8}")
 _META_KEY = "checkpoint"  # {"step", "world_size"}, saved next to the caller's states
