@@ -119,7 +119,7 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     idx = random_block_indices(B, H, T, NSA.n_selected, NSA.sel_block_size, device)
     rows.append(("selected (triton)",
                  *time_ms(lambda: selected_attention(q, k, v, idx, NSA.sel_block_size), [q, k, v])))
-    del idx, lse
+    idx = lse = None  # free them before the next rows
     rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
@@ -132,7 +132,7 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(qh, ke, ve, is_causal=True)
         rows.append((name, *time_ms(sdpa, [qh, ke, ve])))
-    del ke, ve
+    ke = ve = None
 
     causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device, _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)

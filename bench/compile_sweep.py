@@ -30,11 +30,11 @@ import importlib.metadata
 import itertools
 import os
 import platform
+import queue
 import re
 import shlex
 import signal
 import statistics
-import queue
 import subprocess
 import sys
 import threading

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_sweep import (REPO, ConfigError, add_sweep_arguments, parse_override, save_table,  # noqa: E402
-                           sweep_from_args)
+from compile_sweep import REPO, ConfigError, add_sweep_arguments, parse_override, save_table, sweep_from_args  # noqa: E402
+
 from nsa_training.config import load_config  # noqa: E402  (compile_sweep put the repo on sys.path)
 
 COLUMNS = ["plan", "gpus", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",

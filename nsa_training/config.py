@@ -11,8 +11,9 @@ import difflib
 import functools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from nsa_models.args import FLAVORS, ModelArgs, get_flavor
 

@@ -14,8 +14,9 @@ Loaders run forever over epochs and resume exactly from `state_dict()`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Protocol
+from typing import Literal, Protocol
 
 import datasets
 import numpy as np

@@ -5,8 +5,9 @@ Both expose the same small interface: `vocab_size`, `eos_id`, `encode(text) -> l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from nsa_training.config import ConfigError
 

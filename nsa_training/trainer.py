@@ -11,8 +11,15 @@ from datetime import timedelta
 from pathlib import Path
 
 from nsa_training.config import Config, ConfigError, config_to_toml
-from nsa_training.watchdog import (DIVERGED_EXIT_CODE, HangWatchdog, MemorySnapshots, ReportFailures, RunFailed,
-                                   StopOnSignal, enable_flight_recorder)
+from nsa_training.watchdog import (
+    DIVERGED_EXIT_CODE,
+    HangWatchdog,
+    MemorySnapshots,
+    ReportFailures,
+    RunFailed,
+    StopOnSignal,
+    enable_flight_recorder,
+)
 
 
 def _importable(module: str) -> bool:
@@ -79,8 +86,8 @@ class Trainer:
                               f"vocabulary ({vocab}, data.tokenizer = {config.data.tokenizer!r}): raise it")
 
         self.model = self._build_model()
-        from parallelisms import CUDA_GRAPH_MODES, compile_loss
         from nsa_training.optim import build_lr_scheduler, build_optimizer
+        from parallelisms import CUDA_GRAPH_MODES, compile_loss
 
         self.loss_fn = compile_loss(cross_entropy, config.compile) if config.compile.enable else cross_entropy
         self.cuda_graphs = config.compile.enable and config.compile.mode in CUDA_GRAPH_MODES
@@ -92,8 +99,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, cfg.steps)
 
-        from nsa_training.checkpoint import (CheckpointManager, ModelState, OptimizerState, RankLocalState,
-                                         RNGState)
+        from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
 
         self.checkpointer = CheckpointManager(config.checkpoint, self.run_dir)
         self.states = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
@@ -316,8 +322,8 @@ class Trainer:
         import torch
 
         from nsa_models.flops import flops_per_token
-        from parallelisms import compile_counters
         from nsa_training.metrics import memory_gib, nsa_metrics, peak_tflops
+        from parallelisms import compile_counters
 
         cfg = self.config.training
         tokens_per_step = cfg.global_batch_tokens

@@ -6,12 +6,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import CUDA_GRAPH_MODES, apply_compile
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.float8 import apply_float8
-from nsa_training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,
-                             ParallelismConfig)
 
 
 def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, compile: CompileConfig,

@@ -27,7 +27,6 @@ import sys
 import sysconfig
 import tokenize
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 OUTPUT = Path(__file__).resolve().parents[1] / "training" / "corpus" / "python_docs.jsonl.gz"

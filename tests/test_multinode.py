@@ -3,7 +3,6 @@ an HSDP plan and match a single-process run of the same global batch, loss for l
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

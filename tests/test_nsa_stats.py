@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
 from nsa_models.model import NSA_STATS, Transformer
-from parallelisms import apply_ac, apply_compile, compile_counters
-from tests.nsa_oracle import _masked_attention
 from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, load_config
 from nsa_training.metrics import nsa_metrics
+from parallelisms import apply_ac, apply_compile, compile_counters
+from tests.nsa_oracle import _masked_attention
 
 REPO = Path(__file__).resolve().parents[1]
 # Queries 0..6 see no compressed block, early ones select fewer than n blocks (-1 padding), late ones choose.

@@ -23,11 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
+from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig  # noqa: E402
 from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters  # noqa: E402
 from tests.conftest import needs_flash_attn_4  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches, train_losses  # noqa: E402
-from nsa_training.config import (ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config,  # noqa: E402
-                             ParallelismConfig)
 
 SELECT_BLOCKS = torch.ops.nsa.select_blocks.default
 
@@ -124,7 +123,7 @@ def test_ac_policy_matches_no_ac_and_never_reselects(cfg, no_ac_result):
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, want_grads[name], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
     assert selections_in_backward == 0
 
 

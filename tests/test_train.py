@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from nsa_models.args import NSAArgs
-from tests.conftest import needs_flash_attn_4
-from nsa_training.trainer import Trainer, _importable
 from nsa_training.config import ConfigError
+from nsa_training.trainer import Trainer, _importable
+from tests.conftest import needs_flash_attn_4
 
 REPO = Path(__file__).resolve().parents[1]
 # Small steps: 4 sequences of 128 tokens of the debug model.

@@ -14,8 +14,7 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_selected import (head_rows_operand, selected_attention, selected_attention_fwd,
-                                            work_lists)
+from nsa_models.nsa.triton_selected import head_rows_operand, selected_attention, selected_attention_fwd, work_lists
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")

@@ -28,7 +28,6 @@ from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
 
-
 # Below 128 queries FlexAttention picks its decoding kernel, whose lowering finds no valid configuration at G = 16,
 # D = 128 (torch 2.11, T = 31: "NoValidChoicesError"); the main kernel serves every length, and is what it picks
 # from 128 queries on anyway.

@@ -35,8 +35,15 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_models.nsa.triton_selected import (dot_precision, head_rows_operand, load_head_rows, load_rows,
-                                            online_softmax_update, softmax_delta, softmax_output)
+from nsa_models.nsa.triton_selected import (
+    dot_precision,
+    head_rows_operand,
+    load_head_rows,
+    load_rows,
+    online_softmax_update,
+    softmax_delta,
+    softmax_output,
+)
 
 _LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
 _ROWS = 64  # rows per tile: query positions x the group's heads (padded to a power of two in dK/dV and the selection)
