@@ -22,11 +22,6 @@ if _WORKER.startswith("gw") and _GPUS:
     os.environ["CUDA_VISIBLE_DEVICES"] = _visible[int(_WORKER[2:]) % len(_visible)]
 
 
-def needs_flash_attn_4() -> None:
-    """Skip unless flash-attn-4 (an optional package: pyproject's `flash4` extra) is installed; device runs carry it."""
-    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 

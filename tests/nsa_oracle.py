@@ -12,7 +12,7 @@ from torch import Tensor
 from nsa_models.args import NSAArgs
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, group: int) -> tuple[Tensor, Tensor]:
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """q [B, T, HQ, D], k/v [B, S, H, D], mask [B, HQ, T, S] -> out [B, T, HQ, D], probs [B, HQ, T, S]."""
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
@@ -57,7 +57,7 @@ def oracle_nsa(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args: NSAArgs
     n_cmp = k_cmp.shape[1]
 
     cmp_mask = torch.tensor([[i * d + l - 1 <= t for i in range(n_cmp)] for t in range(T)], dtype=torch.bool)
-    o_cmp, p_cmp = _masked_attention(q, k_cmp, v_cmp, cmp_mask.expand(B, HQ, T, n_cmp), G)
+    o_cmp, p_cmp = masked_attention(q, k_cmp, v_cmp, cmp_mask.expand(B, HQ, T, n_cmp), G)
 
     chosen = oracle_select(p_cmp, T, args, G)
     slc_mask = torch.zeros(B, HQ, T, T, dtype=torch.bool)
@@ -69,10 +69,10 @@ def oracle_nsa(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args: NSAArgs
                 indices[b, h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
                 for j in blocks:
                     slc_mask[b, h * G:(h + 1) * G, t, j * lp: min(t + 1, (j + 1) * lp)] = True
-    o_slc, _ = _masked_attention(q, k_slc, v_slc, slc_mask, G)
+    o_slc, _ = masked_attention(q, k_slc, v_slc, slc_mask, G)
 
     win_mask = torch.tensor([[t - w < u <= t for u in range(T)] for t in range(T)], dtype=torch.bool)
-    o_win, _ = _masked_attention(q, k_win, v_win, win_mask.expand(B, HQ, T, T), G)
+    o_win, _ = masked_attention(q, k_win, v_win, win_mask.expand(B, HQ, T, T), G)
 
     out = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
     return out, indices

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
-from nsa_models.model import NSA_STATS, Transformer
+from nsa_models.model import Transformer
+from nsa_models.telemetry import NSA_STATS, nsa_metrics
 from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, load_config
-from nsa_training.metrics import nsa_metrics
 from parallelisms import apply_ac, apply_compile, compile_counters
-from tests.nsa_oracle import _masked_attention
+from tests.nsa_oracle import masked_attention
 
 REPO = Path(__file__).resolve().parents[1]
 # Queries 0..6 see no compressed block, early ones select fewer than n blocks (-1 padding), late ones choose.
@@ -50,7 +50,7 @@ def brute_force_stats(q, k_cmp, v_cmp, gates, block_indices, args: NSAArgs):
     counts = [sum(1 for d in distances if d.bit_length() == k) for k in range(n_bins)]
 
     visible = torch.tensor([[i * args.cmp_stride + l - 1 <= t for i in range(k_cmp.shape[1])] for t in range(T)])
-    _, p = _masked_attention(q.double(), k_cmp.double(), v_cmp.double(), visible.expand(B, HQ, T, -1),
+    _, p = masked_attention(q.double(), k_cmp.double(), v_cmp.double(), visible.expand(B, HQ, T, -1),
                              HQ // k_cmp.shape[2])
     entropy = torch.where(p > 0, -p * p.log(), torch.zeros_like(p)).sum(-1).transpose(1, 2)  # [B, T, HQ]
     gate_means = gates.double().mean((0, 1, 2)).tolist()

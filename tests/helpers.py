@@ -1,18 +1,61 @@
-"""Whether a top-n block selection is right for given inputs, judged by the reference's selection scores.
+"""Helpers shared by the test modules (no test module imports another): running train.py / run.sh and reading its
+tensorboard events, skipping without optional packages, and judging a top-n block selection.
 
-Two implementations that sum the same probabilities in different orders may rank blocks whose scores differ by
-rounding differently; anything else (a missing forced block, a future block, a clearly lower-scored block kept
-over a higher one, wrong padding) is an error.
+The brute-force NSA oracle lives beside this, in `tests/nsa_oracle.py`.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 from torch import Tensor
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.reference import compressed_branch, selection_scores
 
+REPO = Path(__file__).resolve().parents[1]
+# Small steps of the debug recipe: 4 sequences of 128 tokens.
+FAST = ["--data.seq_len", "128", "--training.global_batch_tokens", "512", "--training.micro_batch_size", "4",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--training.eval_interval", "5",
+        "--training.eval_batches", "1"]
+
+
+# --- train.py / run.sh runs ------------------------------------------------------------------------------------
+
+def env() -> dict[str, str]:
+    """The environment of a train.py / run.sh subprocess: offline datasets, unbuffered output, one process."""
+    return {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "NGPU": "1"}
+
+
+def scalars(event_file: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of one tensorboard event file."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out: dict[str, dict[int, float]] = {}
+    for event in EventFileLoader(str(event_file)).Load():
+        for value in event.summary.value:
+            if value.metadata.plugin_data.plugin_name == "scalars":  # the loader yields scalars as tensors
+                out.setdefault(value.tag, {})[event.step] = value.tensor.float_val[0]
+    return out
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    """The run's tensorboard event files, oldest first."""
+    return sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+
+
+def needs_flash_attn_4() -> None:
+    """Skip unless flash-attn-4 (an optional package: pyproject's `flash4` extra) is installed; device runs carry it."""
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+
+
+# --- top-n block selection -------------------------------------------------------------------------------------
+# Two implementations that sum the same probabilities in different orders may rank blocks whose scores differ by
+# rounding differently; anything else (a missing forced block, a future block, a clearly lower-scored block kept
+# over a higher one, wrong padding) is an error.
 
 def reference_scores(q: Tensor, k_cmp: Tensor, args: NSAArgs, start: int = 0, seq_len: int | None = None) -> Tensor:
     """[B, H, C, Ns] fp64 selection scores of queries start .. start+C-1 (q [B, C, HQ, D]) of a sequence of
