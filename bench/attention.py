@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +38,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nsa_models.args import ModelArgs, NSAArgs  # noqa: E402
-from nsa_models.flops import mean_keys_per_query  # noqa: E402
-from nsa_models.nsa import triton_compressed, triton_selected, window_mask  # noqa: E402
-from nsa_models.nsa.reference import num_cmp_blocks  # noqa: E402
-from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention  # noqa: E402
-from nsa_models.nsa.triton_compressed import select_topn  # noqa: E402
-from nsa_models.nsa.triton_selected import selected_attention  # noqa: E402
+from nsa_models.args import ModelArgs, NSAArgs
+from nsa_models.flops import mean_keys_per_query
+from nsa_models.nsa import check_backend, triton_compressed, triton_selected, window_mask
+from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention
+from nsa_models.nsa.triton_compressed import select_topn
+from nsa_models.nsa.triton_selected import selected_attention
 
 # backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
 # does; with the default ("reference") it returned None and the core rebuilt the mask on every call (O(T^2)).
@@ -86,7 +83,7 @@ def time_ms(fn, grad_inputs: list[Tensor], backward: bool = True) -> tuple[float
 
 def nsa_inputs(B: int, T: int, HQ: int, H: int, D: int) -> list[Tensor]:
     """q, k, v, compressed k, v, gates (bf16, requiring grad) for the whole core; K/V shared by the branches."""
-    n_cmp = num_cmp_blocks(T, NSA.cmp_block_size, NSA.cmp_stride)
+    n_cmp = NSA.num_cmp_blocks(T)
     shapes = [(B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, n_cmp, H, D), (B, n_cmp, H, D), (B, T, HQ, 3)]
     return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
 
@@ -247,8 +244,9 @@ def main() -> None:
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
     # before the core compiles
     NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
-    try:  # the recipe's rules for these keys (--float-atomics needs a kernel with an atomic backward)
+    try:  # the recipe's rules for these keys (--float-atomics needs an atomic backward) and their packages
         ModelArgs(nsa=NSA).validate()
+        check_backend(NSA, torch.device("cuda"), torch.bfloat16)
     except ValueError as e:
         parser.error(f"{e} (--window-backend, --cmp-backend, --float-atomics)")
     fla = importlib.util.find_spec("fla")

@@ -3,29 +3,27 @@
     python bench/e2e.py                                    # nsa-125m vs dense-125m at T = 2048, 8192, 32768
     python bench/e2e.py --seq-lens 2048 8192 --steps 30 --set training.global_batch_tokens=262144
 
-A thin wrapper over bench/compile_sweep.py: the grid is flavor x T, where each T also sets model.max_seq_len = T
-and training.micro_batch_size = --tokens-per-micro-batch / T, so every cell does the same work per step in
-tokens and only attention's cost changes with T. Data is `synthetic` unless --set data.source=... says otherwise
-(throughput does not depend on the text). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio of
-the first flavor to the second per T, on top of the sweep's own table and files.
+A thin wrapper over the sweep of bench/compile_sweep.py (`nsa_training.sweep`): the grid is flavor x T, where each T
+also sets model.max_seq_len = T and training.micro_batch_size = --tokens-per-micro-batch / T, so every cell does the
+same work per step in tokens and only attention's cost changes with T. Data is `synthetic`
+(`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
+otherwise (throughput does not depend on the text). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio
+of the first flavor to the second per T, on top of the sweep's own table and files.
 
 Each optimizer step ends in a device sync (the trainer's finiteness check), so with one micro-batch per step
 (`--set training.global_batch_tokens` = --tokens-per-micro-batch) the host cannot run ahead into the next step:
-at short T, where enqueueing an NSA step takes the host most of the step's GPU time (nsa-125m, 16 x 2048, H200:
-57-87 ms of ~100 ms), a slower host then shows as a slower run (there 0.57-0.65 of dense by run with one
-micro-batch per step, 0.64-0.65 with four; docs/PERFORMANCE.md, session 15). Compare with several micro-batches
-per step, repeat the runs, or take the host out with CUDA graphs (`--set compile.mode=reduce-overhead`: nsa-125m at
-2048 on a slower H100 host went from 231,584 to 309,186 tokens/s; docs/PERFORMANCE.md, session 27).
+at short T, where enqueueing an NSA step takes the host most of the step's GPU time, a slower host then shows as
+a slower run. Compare with several micro-batches per step, repeat the runs, or take the host out with CUDA graphs
+(`--set compile.mode=reduce-overhead`); measured figures in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_sweep import ConfigError, add_sweep_arguments, sweep_from_args  # noqa: E402
+from nsa_training.config import ConfigError
+from nsa_training.sweep import SYNTHETIC_DATA, add_sweep_arguments, sweep_from_args
 
 
 def seq_len_axis(seq_lens: list[int], tokens_per_micro_batch: int) -> list[dict[str, str]]:
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="micro_batch_size x seq_len of every cell (the recipes' 16 x 2048)")
     add_sweep_arguments(parser)
     args = parser.parse_args(argv)
-    args.set = ["data.source=synthetic", *args.set]  # later --set wins
+    args.set = [*SYNTHETIC_DATA, *args.set]  # later --set wins
     try:
         axes = [[{"model.flavor": f} for f in args.flavors], seq_len_axis(args.seq_lens, args.tokens_per_micro_batch)]
         rows = sweep_from_args(args, args.recipe, axes)

@@ -13,16 +13,13 @@ import argparse
 import dataclasses
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nsa_models import get_flavor  # noqa: E402
-from nsa_models.model import TransformerBlock, rope_cache  # noqa: E402
-from nsa_models.nsa import window_mask  # noqa: E402
+from nsa_models import get_flavor
+from nsa_models.model import TransformerBlock, rope_cache
+from nsa_models.nsa import check_backend, window_mask
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -41,6 +38,8 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
     args = get_flavor(flavor)
     args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
                                nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk, backend=backend))
+    if args.attention == "nsa":
+        check_backend(args.nsa, device, dtype)
     torch.manual_seed(0)
     block = TransformerBlock(0, args).to(device)
     block.init_weights(args.init_std, args.n_layers)

@@ -16,19 +16,19 @@ from typing import Literal
 class NSAArgs:
     """Native Sparse Attention hyper-parameters (`docs/NSA_SPEC.md`, symbols in brackets)."""
 
-    cmp_block_size: int = 32
+    cmp_block_size: int = field(default=32, metadata={"gt": 0})
     """[l] tokens per compressed block."""
-    cmp_stride: int = 16
+    cmp_stride: int = field(default=16, metadata={"gt": 0})
     """[d] stride between consecutive compressed blocks; must divide cmp_block_size and sel_block_size."""
-    sel_block_size: int = 64
+    sel_block_size: int = field(default=64, metadata={"gt": 0})
     """[l'] tokens per selection block."""
-    n_selected: int = 16
+    n_selected: int = field(default=16, metadata={"ge": 3})
     """[n] selection blocks attended per query, the forced ones (block 0 and the two most recent) included."""
-    window_size: int = 512
+    window_size: int = field(default=512, metadata={"gt": 0})
     """[w] sliding-window length: query t attends keys t-w+1 .. t."""
     compress: Literal["mlp", "mean"] = "mlp"
     """Compression function phi: `mlp` (learned, with an intra-block position embedding) or `mean` pooling."""
-    cmp_mlp_hidden: int = 0
+    cmp_mlp_hidden: int = field(default=0, metadata={"ge": 0})
     """Hidden width of the `mlp` phi; 0 means max(head_dim, cmp_block_size * head_dim / 8)."""
     separate_kv: bool = False
     """Give each branch (cmp, slc, win) its own K/V projection, as the paper does; False shares one."""
@@ -42,34 +42,33 @@ class NSAArgs:
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
     consecutive queries is packed as heads (`fa4.fa4_compressed_attention`). Measured (H200, the compiled core at
-    64 heads of 128, G = 16, one run): 4% faster at 64k, even at 32k, 11% slower at 8k (docs/PERFORMANCE.md,
-    session 28)."""
+    64 heads of 128, G = 16, one run): 4% faster at 64k, even at 32k, 11% slower at 8k (docs/PERFORMANCE.md)."""
     float_atomics: bool = False
     """Let the library backwards (window_backend `flash_attn` or `flash_attn_4`, cmp_backend `flash_attn_4`)
     accumulate their gradients with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 ->
-    7.97 ms fwd+bwd; no gain measured for nsa-125m end to end; docs/PERFORMANCE.md session 26), but no longer
+    7.97 ms fwd+bwd; no gain measured for nsa-125m end to end; docs/PERFORMANCE.md), but no longer
     bitwise repeatable, so the same seed and recipe may give other losses. Off: every NSA backward kernel is
-    deterministic. The Triton kernels have no atomic variant (measured slower, session 20)."""
-    query_chunk: int = 512
+    deterministic. The Triton kernels have no atomic variant (measured slower, docs/KERNELS.md)."""
+    query_chunk: int = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
 
     def cmp_hidden(self, head_dim: int) -> int:
         """Hidden width of the `mlp` phi."""
         return self.cmp_mlp_hidden or max(head_dim, self.cmp_block_size * head_dim // 8)
 
+    def num_cmp_blocks(self, seq_len: int) -> int:
+        """[Nc] compressed blocks [i*d, i*d + l) that fit in seq_len tokens."""
+        return max(0, (seq_len - self.cmp_block_size) // self.cmp_stride + 1)
+
+    def num_sel_blocks(self, seq_len: int) -> int:
+        """Selection blocks [j*l', (j+1)*l') covering seq_len tokens (the last one may be partial)."""
+        return -(-seq_len // self.sel_block_size)
+
 
 # window_backend / cmp_backend -> (the module it imports, the pip package that provides it), for the optional ones
 LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
 # the choices of each library-backed key that need no extra package (what its errors offer instead)
 BUILT_IN_BACKENDS = {"window_backend": ("flex", "sdpa"), "cmp_backend": ("triton",)}
-
-
-def missing_package(key: str, backend: str) -> str:
-    """The one-line error for model.nsa.<key> = backend (window_backend or cmp_backend) whose package
-    (LIBRARY_PACKAGES) is not installed."""
-    package = LIBRARY_PACKAGES[backend][1]
-    return (f"model.nsa.{key} = {backend!r} needs the {package} package (pip install {package}); or set it to "
-            + " or ".join(map(repr, BUILT_IN_BACKENDS[key])))
 
 
 @dataclass
@@ -80,27 +79,29 @@ class ModelArgs:
     """Named preset (see FLAVORS) that supplies every value a recipe does not set."""
     attention: Literal["nsa", "dense"] = "nsa"
     """`nsa`: Native Sparse Attention; `dense`: full causal attention through SDPA (the baseline twin)."""
-    dim: int = 128
+    dim: int = field(default=128, metadata={"gt": 0})
     """Model width d_model."""
-    n_layers: int = 2
+    n_layers: int = field(default=2, metadata={"gt": 0})
     """Number of transformer blocks."""
-    n_heads: int = 4
+    n_heads: int = field(default=4, metadata={"gt": 0})
     """Query heads HQ."""
-    n_kv_heads: int = 2
+    n_kv_heads: int = field(default=2, metadata={"gt": 0})
     """Key/value heads H; must divide n_heads (GQA group size G = n_heads / n_kv_heads)."""
-    head_dim: int = 32
+    head_dim: int = field(default=32, metadata={"gt": 0, "multiple_of": 2})
     """Per-head dimension (dk = dv)."""
-    vocab_size: int = 264
-    """Embedding rows; must be at least the tokenizer's vocabulary."""
-    ffn_hidden: int = 0
+    vocab_size: int = field(default=0, metadata={"ge": 0})
+    """Embedding rows. 0: the tokenizer's vocabulary (`data.tokenizer`) rounded up to a multiple of 64, for
+    GEMM shapes the GPU's tensor cores take at full speed (GPT-2's 50257 ids give 50304); the trainer resolves it and
+    the run's saved config records the number. A set value must be at least the tokenizer's vocabulary."""
+    ffn_hidden: int = field(default=0, metadata={"ge": 0})
     """SwiGLU hidden width; 0 means 8/3 * dim rounded up to a multiple of 256 (of 64 below dim 512)."""
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata={"gt": 0})
     """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
+    rope_theta: float = field(default=10000.0, metadata={"gt": 0})
     """RoPE base frequency."""
-    max_seq_len: int = 256
+    max_seq_len: int = field(default=256, metadata={"gt": 0})
     """Longest sequence the RoPE table covers; training seq_len must not exceed it."""
-    init_std: float = 0.02
+    init_std: float = field(default=0.02, metadata={"gt": 0})
     """Standard deviation of the normal initialisation of linear and embedding weights."""
     tie_embeddings: bool = False
     """Share the token embedding and the output head."""
@@ -120,19 +121,14 @@ class ModelArgs:
         return multiple * ((hidden + multiple - 1) // multiple)
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the combination cannot be built."""
-        checks = [
-            (self.n_heads % self.n_kv_heads == 0, "n_kv_heads", "must divide model.n_heads"),
-            (self.dim > 0 and self.n_layers > 0 and self.head_dim > 0, "dim", "dim, n_layers, head_dim must be > 0"),
-        ]
+        """Raise ValueError naming the field when the combination cannot be built. Each value's own bounds are
+        its field's metadata (`gt`, `ge`, `multiple_of`: head_dim is even for RoPE), checked by the recipe loader."""
+        checks = [(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", "must divide model.n_heads")]
         if self.attention == "nsa":
             a = self.nsa
             checks += [
                 (a.cmp_block_size % a.cmp_stride == 0, "nsa.cmp_stride", "must divide model.nsa.cmp_block_size"),
                 (a.sel_block_size % a.cmp_stride == 0, "nsa.cmp_stride", "must divide model.nsa.sel_block_size"),
-                (a.n_selected >= 3, "nsa.n_selected", "must be >= 3 (block 0 and the two most recent are forced)"),
-                (a.window_size >= 1, "nsa.window_size", "must be >= 1"),
-                (a.query_chunk >= 1, "nsa.query_chunk", "must be >= 1"),
                 (a.cmp_backend == "triton" or a.backend == "triton", "nsa.cmp_backend",
                  "= 'flash_attn_4' needs backend = 'triton' (the reference computes every branch itself)"),
                 (not a.float_atomics or (a.backend == "triton" and (a.window_backend in LIBRARY_PACKAGES
@@ -151,13 +147,17 @@ def _flavor(attention: str, nsa: NSAArgs | None = None, **kw) -> ModelArgs:
 
 
 _SIZES: dict[str, dict] = {
-    # Tiny: trains on 2 CPU cores in minutes. Block sizes shrunk so that T=256 exercises every branch.
+    # Tiny: trains on 2 CPU cores in minutes. Block sizes shrunk so that T=256 exercises every branch. Its vocabulary
+    # is fixed (the byte tokenizer's 257 ids, rounded up to 8) so that the model can be built without a tokenizer.
     "debug": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=264, max_seq_len=256),
-    # GPT-2-small-sized: 12 query heads of 64, 4 KV heads (G=3), vocab 50304.
-    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, vocab_size=50304, max_seq_len=2048),
-    "350m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, head_dim=64, vocab_size=50304, max_seq_len=2048),
-    "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=4, head_dim=128, ffn_hidden=5632, vocab_size=50304,
-               max_seq_len=4096),
+    # GPT-2-small-sized: 12 query heads of 64, 4 KV heads (G=3). These follow the tokenizer (vocab_size 0).
+    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, max_seq_len=2048),
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, head_dim=64, max_seq_len=2048),
+    "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=4, head_dim=128, ffn_hidden=5632, max_seq_len=4096),
+    # Llama-3.2-3B's layout (24 query heads of 128, 8 KV heads: G=3) and Mistral-7B's (32 of 128, 8 KV: G=4), at the
+    # 8k context the NSA paper pretrains with; NSA's settings are the paper's (NSAArgs' defaults).
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_hidden=8192, max_seq_len=8192),
+    "7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_hidden=14336, max_seq_len=8192),
 }
 _DEBUG_NSA = NSAArgs(cmp_block_size=16, cmp_stride=8, sel_block_size=16, n_selected=4, window_size=32, query_chunk=256)
 

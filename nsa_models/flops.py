@@ -46,7 +46,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> FlopsPerToken:
         a = args.nsa
         per_layer += 2 * d * hkv * hd * (3 if a.separate_kv else 1) - 2 * d * hkv * hd + d * 3 * hq  # k/v sets, gate
         if a.compress == "mlp":
-            n_cmp = max(0, (seq_len - a.cmp_block_size) // a.cmp_stride + 1)
+            n_cmp = a.num_cmp_blocks(seq_len)
             hidden = a.cmp_hidden(hd)
             phi = a.cmp_block_size * hd * hidden + hidden * hd  # per block, per KV head, for K or for V
             per_layer += 2 * hkv * phi * n_cmp / seq_len

@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
-from nsa_models.nsa.reference import num_cmp_blocks
+from nsa_models.telemetry import nsa_stats
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
@@ -41,6 +41,7 @@ class Compression(nn.Module):
 
     def __init__(self, args: NSAArgs, head_dim: int):
         super().__init__()
+        self.nsa = args
         self.block, self.stride, self.kind = args.cmp_block_size, args.cmp_stride, args.compress
         if self.kind == "mlp":
             self.pos_emb = nn.Parameter(torch.empty(self.block, head_dim))
@@ -50,7 +51,7 @@ class Compression(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         T = x.shape[1]
-        n_blocks = num_cmp_blocks(T, self.block, self.stride)
+        n_blocks = self.nsa.num_cmp_blocks(T)
         if T < self.block:  # no complete block: an empty result that still carries phi in the graph
             x = F.pad(x, (0, 0, 0, 0, 0, self.block - T))
         blocks = x.unfold(1, self.block, self.stride)[:, :n_blocks]  # [B, Nc, H, D, l]
@@ -94,44 +95,6 @@ class DenseAttention(nn.Module):
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
-
-
-# Telemetry row of one NSA layer: these means, then the counts of the selected-block distance histogram.
-NSA_STATS = ("gate_cmp", "gate_slc", "gate_win", "forced_share", "slc_distance_blocks", "slc_distance_sq",
-             "slc_distance_max", "cmp_entropy")
-
-
-def distance_bin_starts(n_bins: int) -> list[int]:
-    """Smallest distance of each histogram bin: bin 0 holds distance 0, bin k >= 1 distances [2^(k-1), 2^k)."""
-    return [0] + [1 << k for k in range(n_bins - 1)]
-
-
-def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: NSAArgs) -> Tensor:
-    """Health telemetry of one NSA layer as a detached fp32 row laid out as NSA_STATS then the histogram counts.
-
-    gates [B, T, HQ, 3]; block_indices [B, H, T, n] (-1 = padding); cmp_entropy [B, T, HQ]. Over the selected
-    blocks: the share that is forced (block 0, the query's block and the one before) and the distance's mean,
-    mean square, max and histogram, in selection blocks (the query's own block is at distance 0). The entropy is
-    the mean over the query heads that see at least one compressed block (t >= l - 1). Static shapes and no
-    host sync: it runs inside the compiled step every time, and the trainer reads it now and then.
-    """
-    B, T, HQ, _ = gates.shape
-    n_sel = -(-T // args.sel_block_size)
-    distance = torch.arange(T, device=gates.device)[:, None] // args.sel_block_size - block_indices
-    selected = block_indices >= 0
-    n_selected = selected.sum()  # > 0: every query selects its own block
-    forced = selected & ((block_indices == 0) | (distance <= 1))
-    distance = torch.where(selected, distance, 0).float()
-    # One full reduction per bin: a single [elements, n_bins] -> [n_bins] reduction gave Inductor n_bins programs
-    # (0.37 ms of an 8.1 ms nsa-125m block at 16 x 2048 on an H200).
-    at_least = torch.stack([(selected & (distance >= start)).sum()
-                            for start in distance_bin_starts(1 + (n_sel - 1).bit_length())])
-    counts = at_least - F.pad(at_least[1:], (0, 1))
-    n_seeing = B * max(0, T - args.cmp_block_size + 1) * HQ
-    means = torch.stack([forced.sum() / n_selected, distance.sum() / n_selected,
-                         distance.square().sum() / n_selected, distance.amax(),
-                         cmp_entropy[:, args.cmp_block_size - 1:].sum() / max(1, n_seeing)])
-    return torch.cat([gates.detach().float().mean((0, 1, 2)), means, counts.float()])
 
 
 class NSAAttention(DenseAttention):
@@ -213,6 +176,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(std, out_std)
         self.feed_forward.init_weights(std, out_std)
+
+
+# Modules kept in high precision whatever their size (float8 training converts no Linear under these names): the NSA
+# gate and the compression MLPs are small and steer which blocks are attended; the output head feeds the loss.
+HIGH_PRECISION_MODULES = frozenset({"gate", "compress_k", "compress_v", "output"})
 
 
 class Transformer(nn.Module):

@@ -1,9 +1,8 @@
 """Activation checkpointing of transformer blocks (non-reentrant, selective-checkpoint policies).
 
-Every mode is a policy of `torch.utils.checkpoint.create_selective_checkpoint_contexts`, because NSA's block
-selection (`nsa.select_blocks`, `nsa.select_topn`) must always be saved: recomputing it could pick other blocks
-(bf16 ties, non-deterministic kernels) and the backward would then differentiate an attention that forward never
-ran.
+Every mode is a policy of `torch.utils.checkpoint.create_selective_checkpoint_contexts`, because the model names
+ops whose outputs must always be saved (`nsa_models.nsa.AC_ALWAYS_SAVE_OPS`: NSA's block selection, which a
+recomputation could change).
 """
 
 from __future__ import annotations
@@ -15,22 +14,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import nsa_models.nsa  # noqa: F401  (registers the torch.ops.nsa custom ops of every available backend)
+from nsa_models.nsa import AC_ALWAYS_SAVE_OPS, AC_SELECTIVE_SAVE_OPS
 from nsa_training.config import ActivationCheckpointConfig
 
-
-def _nsa_ops(*names: str) -> set:
-    """The NSA custom ops among `names` that exist here (the Triton ones need triton)."""
-    return {getattr(torch.ops.nsa, name).default for name in names if hasattr(torch.ops.nsa, name)}
-
-
-# Saved in every mode: the selected block indices (int64, cheap to keep), from either backend.
-_ALWAYS_SAVE = _nsa_ops("select_blocks", "select_topn")
-
 # `selective_op` also keeps the expensive outputs: matmuls (linears, the reference backend's einsums, float8's
-# scaled mm and the `max` behind its tensorwise scales) and fused attention; everything else (norms, activations,
-# rope, softmax) is recomputed.
-_SELECTIVE_SAVE = _ALWAYS_SAVE | {
+# scaled mm and the `max` behind its tensorwise scales) and fused attention (the model's NSA kernels among it);
+# everything else (norms, activations, rope, softmax) is recomputed.
+_SELECTIVE_SAVE = AC_ALWAYS_SAVE_OPS | AC_SELECTIVE_SAVE_OPS | {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
@@ -42,7 +32,7 @@ _SELECTIVE_SAVE = _ALWAYS_SAVE | {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch._higher_order_ops.flex_attention,
-} | _nsa_ops("compressed_attention_fwd", "selected_attention_fwd")
+}
 
 
 def _policy(save: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -61,7 +51,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     """
     if cfg.mode == "none":
         return
-    save = frozenset(_SELECTIVE_SAVE if cfg.mode == "selective_op" else _ALWAYS_SAVE)
+    save = _SELECTIVE_SAVE if cfg.mode == "selective_op" else AC_ALWAYS_SAVE_OPS
     for i, (name, block) in enumerate(model.layers.named_children()):
         if cfg.mode == "every_n" and (i + 1) % cfg.every_n:
             continue

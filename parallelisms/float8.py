@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from nsa_models.model import HIGH_PRECISION_MODULES
 from nsa_training.config import ConfigError, Float8Config
-
-# Module names kept in high precision whatever their size: the NSA gate and the compression MLPs are small and
-# steer which blocks are attended; the output head (the root's `output`) feeds the loss directly.
-_SKIPPED_NAMES = {"gate", "compress_k", "compress_v"}
 
 
 def _is_float8_worthy(module: nn.Module, fqn: str, min_features: int) -> bool:
-    if not isinstance(module, nn.Linear) or fqn == "output" or _SKIPPED_NAMES & set(fqn.split(".")):
+    if not isinstance(module, nn.Linear) or HIGH_PRECISION_MODULES & set(fqn.split(".")):
         return False
     dims = (module.in_features, module.out_features)
     # torch._scaled_mm needs multiples of 16; below min_features the casts cost more than the fp8 matmul saves.

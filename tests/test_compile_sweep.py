@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from tests.test_train import env, event_files, scalars
+from tests.helpers import env, event_files, scalars
 
 REPO = Path(__file__).resolve().parents[1]
-# Tiny steps of the debug recipe (tests/test_train.py's FAST without the settings the sweep fixes itself).
+# Tiny steps of the debug recipe (tests/helpers.py's FAST without the settings the sweep fixes itself).
 TINY = ["--set", "data.seq_len=128", "--set", "training.global_batch_tokens=512", "--set",
         "training.micro_batch_size=4", "--set", "lr_scheduler.warmup_steps=2", "--steps", "4", "--warmup", "1"]
 
@@ -87,15 +87,15 @@ def test_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert {line.rsplit("=", 1)[1] for line in lines if line.startswith("[")} == {"7", "8"}
     bad, good = read_csv(out)
     assert bad["status"] == "failed" and bad["exit_code"] == "2"
-    assert bad["error"] == "error: model.nsa.window_size must be >= 1"
+    assert bad["error"] == "error: model.nsa.window_size = 0: must be > 0"
     assert bad["tokens_per_s"] == "" and bad["final_loss"] == ""
     assert good["status"] == "ok" and float(good["tokens_per_s"]) > 0 and float(good["final_loss"]) > 0
-    assert "failed (exit 2): error: model.nsa.window_size must be >= 1" in result.stdout
+    assert "failed (exit 2): error: model.nsa.window_size = 0: must be > 0" in result.stdout
     assert hparams_of(out / bad["cell"]) == {"model.nsa.window_size": 0.0}
 
 
 def test_timeout_launcher_env_and_private_caches(tmp_path):
-    from bench.compile_sweep import sweep
+    from nsa_training.sweep import sweep
 
     out = tmp_path / "sweep"
     launcher = ("SWEEP_TEST=7 " + sys.executable +
@@ -111,7 +111,8 @@ def test_timeout_launcher_env_and_private_caches(tmp_path):
 def test_e2e_ratio_per_seq_len(tmp_path):
     out = tmp_path / "e2e"
     result = run_bench("e2e.py", "--recipe", "recipes/debug.toml", "--flavors", "debug", "dense-debug",
-                       "--seq-lens", "64", "128", "--tokens-per-micro-batch", "256", "--out", str(out), *TINY)
+                       "--seq-lens", "64", "128", "--tokens-per-micro-batch", "256", "--out", str(out), *TINY,
+                       "--set", "model.vocab_size=264")  # the debug flavor's own, not e2e's GPT-2-sized default
     rows = read_csv(out)
     assert [(r["model.flavor"], r["data.seq_len"], r["training.micro_batch_size"]) for r in rows] == [
         ("debug", "64", "4"), ("debug", "128", "2"), ("dense-debug", "64", "4"), ("dense-debug", "128", "2")]
@@ -129,7 +130,7 @@ def test_e2e_ratio_per_seq_len(tmp_path):
 
 def test_cell_command_and_recompile_count(tmp_path):
     """A stand-in trainer: prints its command line, recompiles a function twice and logs the compile counter."""
-    from bench.compile_sweep import sweep
+    from nsa_training.sweep import sweep
 
     fake_train = tmp_path / "fake_train.py"
     fake_train.write_text(

@@ -7,7 +7,6 @@ import torch
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import nsa_attention
-from nsa_models.nsa.reference import num_cmp_blocks
 from tests.nsa_oracle import oracle_nsa
 
 # (l, d, l', n, w): l = l' = d, and the paper's 32/16/64 (n = 16 exceeds the candidates whenever T < 16 * 64).
@@ -21,7 +20,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def random_inputs(B: int, T: int, H: int, G: int, D: int, args: NSAArgs, dtype=torch.float64):
-    n_cmp = num_cmp_blocks(T, args.cmp_block_size, args.cmp_stride)
+    n_cmp = args.num_cmp_blocks(T)
     shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 4 + [(B, n_cmp, H, D)] * 2
     # Scaled-up queries sharpen the softmaxes so the selection depends on the inputs, not on ties.
     tensors = [torch.randn(s, dtype=dtype) * (3.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
@@ -125,17 +124,11 @@ def test_no_nan_when_no_query_sees_a_compressed_block():
     assert all(torch.isfinite(x.grad).all() for x in inputs)
 
 
-def test_unknown_backend_is_a_clear_error():
-    args = NSAArgs(**PAPER, backend="cuda-magic")
-    with pytest.raises(ValueError, match="model.nsa.backend = 'cuda-magic' is not available"):
-        nsa_attention(*random_inputs(1, 8, 1, 1, 8, args), args)
-
-
 def test_ties_break_to_the_lower_block_index():
     # Uniform compressed probabilities make every fully covered selection block score the same: the choice
     # must then be the forced blocks plus the lowest-indexed others, whatever the sort implementation does.
     T, n = 1024, 5
-    n_cmp = num_cmp_blocks(T, 32, 16)
+    n_cmp = NSAArgs(cmp_block_size=32, cmp_stride=16).num_cmp_blocks(T)
     p_cmp = torch.ones(1, 1, 1, T, n_cmp) / n_cmp
     idx = torch.ops.nsa.select_blocks(p_cmp, 0, T, 32, 16, 64, n)
     t = T - 1  # current block 15: forced {0, 14, 15}, then blocks 1 and 2 (the lowest tied ones)

@@ -11,9 +11,9 @@ import torch
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_compressed
-from nsa_models.nsa.reference import compressed_branch, num_cmp_blocks, select_blocks
+from nsa_models.nsa.reference import compressed_branch, select_blocks
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn, selection_keys
-from tests.selection_check import assert_valid_selection, reference_scores
+from tests.helpers import assert_valid_selection, reference_scores
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -58,7 +58,7 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     l, d, lp = blocks
     args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=lp, n_selected=n)
     gen = torch.Generator().manual_seed(T * 7 + G)
-    n_cmp = num_cmp_blocks(T, l, d)
+    n_cmp = args.num_cmp_blocks(T)
     q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     k, v = (torch.randn(B, n_cmp, H, D, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
     want_o, p_cmp, want_entropy = reference(q, k, v, args)
@@ -103,7 +103,7 @@ def test_many_queries_share_one_block_and_ties_break_low(wide_keys: bool, monkey
     args = NSAArgs(cmp_block_size=16, cmp_stride=16, sel_block_size=16, n_selected=4)
     B, T, H, G, D = 1, 160, 1, 2, 16
     q = torch.randn(B, T, H * G, D)
-    k = torch.randn(1, 1, 1, D).expand(B, num_cmp_blocks(T, 16, 16), H, D).contiguous()
+    k = torch.randn(1, 1, 1, D).expand(B, args.num_cmp_blocks(T), H, D).contiguous()
     o, lse = compressed_attention_fwd(q, k, k, 16, 16, D ** -0.5)
     idx, _ = select_topn(q, k, lse, 16, 16, 16, 4, D ** -0.5)
     _, p_cmp, _ = reference(q.double(), k.double(), k.double(), args)

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
-from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
+from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
-from tests.conftest import needs_flash_attn_4
-from tests.selection_check import assert_valid_selection, reference_scores
+from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +40,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def make_leaves(B: int, T: int, H: int, G: int, D: int, args: NSAArgs, dtype: torch.dtype, separate: bool):
     """q, k_slc, v_slc, (k_win, v_win when separate), k_cmp, v_cmp, gates."""
     gen = torch.Generator(device="cuda").manual_seed(T * 31 + G * 7 + D)
-    n_cmp = num_cmp_blocks(T, args.cmp_block_size, args.cmp_stride)
+    n_cmp = args.num_cmp_blocks(T)
     kv_shapes = [(B, T, H, D)] * (4 if separate else 2) + [(B, n_cmp, H, D)] * 2
     leaves = [torch.randn(s, generator=gen, device="cuda") for s in [(B, T, H * G, D)] + kv_shapes]
     leaves[0] = leaves[0] * 2  # sharper compressed softmax: selection depends on the inputs
@@ -160,7 +159,7 @@ def test_compressed_long_sequence(cmp_backend: str):
     compressed_attention = compressed_attention_fwd if cmp_backend == "triton" else fa4_compressed_attention
     B, T, H, G, D, l, d = 1, 65536, 1, 16, 128, 32, 16
     args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=64, n_selected=16)
-    n_cmp = num_cmp_blocks(T, l, d)
+    n_cmp = args.num_cmp_blocks(T)
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, t, h, D, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
                for t, h in ((T, H * G), (n_cmp, H), (n_cmp, H)))

@@ -12,9 +12,10 @@ import torch
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_selected
-from nsa_models.nsa.reference import nsa_reference, num_cmp_blocks
+from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_selected import head_rows_operand, selected_attention, selected_attention_fwd, work_lists
+from nsa_models.nsa.triton_common import head_rows_operand
+from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -156,7 +157,7 @@ def test_backend_matches_reference():
                    window_backend="flex", query_chunk=40)
     B, T, H, G, D = 1, 70, 2, 2, 16
     gen = torch.Generator().manual_seed(0)
-    n_cmp = num_cmp_blocks(T, args.cmp_block_size, args.cmp_stride)
+    n_cmp = args.num_cmp_blocks(T)
     shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 4 + [(B, n_cmp, H, D)] * 2
     inputs = [torch.randn(s, generator=gen) * (3.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
     inputs.append(torch.rand(B, T, H * G, 3, generator=gen))

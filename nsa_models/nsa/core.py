@@ -1,21 +1,66 @@
-"""The functional NSA core with an explicit backend choice (no silent fallback)."""
+"""The functional NSA core with an explicit backend choice (no silent fallback): the backends, the one check that
+the chosen ones can run (`check_backend`), and the ops that activation checkpointing must treat specially."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_models.args import NSAArgs
+from nsa_models.args import BUILT_IN_BACKENDS, LIBRARY_PACKAGES, NSAArgs
 from nsa_models.nsa.reference import nsa_reference
 
 BACKENDS = {"reference": nsa_reference}
+# Activation checkpointing (applied from outside: `parallelisms/`) must always save the block selection: recomputing
+# it could pick other blocks (bf16 ties, non-deterministic kernels), and the backward would then differentiate an
+# attention that forward never ran.
+_selection_ops = [torch.ops.nsa.select_blocks.default]
+# The fused attention kernels: costly to recompute, so selective checkpointing saves their outputs too.
+_attention_ops = []
 try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it, then "triton" is not offered
     from nsa_models.nsa.triton_backend import nsa_triton
 
     BACKENDS["triton"] = nsa_triton
+    _selection_ops.append(torch.ops.nsa.select_topn.default)
+    _attention_ops += [torch.ops.nsa.compressed_attention_fwd.default, torch.ops.nsa.selected_attention_fwd.default]
 except ImportError:
     pass
+AC_ALWAYS_SAVE_OPS = frozenset(_selection_ops)
+AC_SELECTIVE_SAVE_OPS = frozenset(_attention_ops)
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` (dotted) is installed, without importing it (its parent package is imported; a missing
+    parent counts as missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError (one line naming the key and the fix) unless the backends `args` chooses can run on `device`
+    with compute dtype `dtype`: no silent fallback to another one. The one availability check: call it once before
+    building a model; the kernels do not check again."""
+    if args.backend == "reference":
+        return
+    if args.backend not in BACKENDS:
+        raise ValueError(f"model.nsa.backend = {args.backend!r} is not available here (built: {', '.join(BACKENDS)}; "
+                         "'triton' needs the triton package): install triton or set --model.nsa.backend reference")
+    if device.type != "cuda":
+        raise ValueError(f"model.nsa.backend = {args.backend!r} needs a CUDA GPU (device is {device.type}): set "
+                         "--model.nsa.backend reference")
+    for key, built_in in BUILT_IN_BACKENDS.items():  # the keys that may name a library
+        choice = getattr(args, key)
+        if choice in LIBRARY_PACKAGES and not _importable(LIBRARY_PACKAGES[choice][0]):
+            package = LIBRARY_PACKAGES[choice][1]
+            raise ValueError(f"model.nsa.{key} = {choice!r} needs the {package} package (pip install {package}); or "
+                             "set it to " + " or ".join(map(repr, built_in)))
+        if choice == "flash_attn_4" and dtype != torch.bfloat16:
+            raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
+                             f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
@@ -23,16 +68,14 @@ def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
                   window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
     [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
-    sees no compressed block (telemetry: `nsa_models.model.nsa_stats`).
+    sees no compressed block (telemetry: `nsa_models.telemetry.nsa_stats`).
 
     q: [B, T, HQ, D] rotated queries; k_*/v_*: [B, T, H, D] per-branch keys/values (the same tensors when the
     projection is shared); k_cmp/v_cmp: [B, Nc, H, D] compressed keys/values; gates: [B, T, HQ, 3] sigmoid
     gates for (cmp, slc, win). Pass block_indices to attend to given blocks instead of selecting, and the
-    `window_mask` of this length to reuse it (built inside otherwise).
+    `window_mask` of this length to reuse it (built inside otherwise). `check_backend` says whether args' backends
+    can run here.
     """
-    if args.backend not in BACKENDS:
-        raise ValueError(f"model.nsa.backend = {args.backend!r} is not available; built backends: "
-                         f"{', '.join(BACKENDS)}")
     return BACKENDS[args.backend](q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args, block_indices,
                                   window_mask)
 

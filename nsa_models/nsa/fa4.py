@@ -6,7 +6,7 @@ packed as heads, the compressed attention (branch 1).
 cannot trace; FA4's causal forward and backward are wrapped here as ops with fake implementations, so a compiled
 NSA block keeps 0 graph breaks. The backward runs FA4's deterministic mode (its dQ/dK/dV accumulation serialised in
 a fixed order), as every other NSA kernel here: bitwise repeatable, measured up to 17% slower than its atomic mode
-(docs/PERFORMANCE.md, session 18); `model.nsa.float_atomics` opts in to the atomic mode. Written against
+(docs/KERNELS.md); `model.nsa.float_atomics` opts in to the atomic mode. Written against
 flash-attn-4 4.0.0b36, whose `_flash_attn_fwd` / `_flash_attn_bwd` are the functions its autograd.Function calls.
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from nsa_models.args import BUILT_IN_BACKENDS, missing_package
 
 
 def _kernels():
@@ -76,22 +74,9 @@ def _backward(ctx, do, dlse):
 fa4_causal_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(q: Tensor, key: str) -> None:
-    """What model.nsa.<key> = 'flash_attn_4' needs: bf16 or fp16 inputs on a GPU, and the package."""
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"model.nsa.{key} = 'flash_attn_4' needs bf16 or fp16 inputs on a CUDA GPU (Hopper or "
-                         f"newer), got {q.dtype} on {q.device.type}: train with bf16 autocast, or set it to "
-                         f"{BUILT_IN_BACKENDS[key][0]!r}")
-    try:
-        _kernels()
-    except ImportError as e:
-        raise ImportError(missing_package(key, "flash_attn_4")) from e
-
-
 def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, deterministic: bool = True) -> Tensor:
     """Attention of q [B, T, HQ, D] over keys t-window+1 .. t of k, v [B, T, H, D] (H dividing HQ); [B, T, HQ, D].
     deterministic=False: a backward with float atomics (faster, not bitwise repeatable)."""
-    _check(q, "window_backend")
     # Contiguous once here: the op saves its inputs for the backward, which then needs no copies of its own.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return fa4_causal_fwd(q, k, v, window, q.shape[-1] ** -0.5, deterministic)[0]
@@ -110,7 +95,6 @@ def fa4_compressed_attention(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     tau - c. Each key/value head is repeated once per packed query row r, so that FA's grouping of query heads
     (head r HQ + h G + g reads key head (r H + h)) stays the model's. Positions past T (T padded to a multiple of
     d) and the zero keys padded past Nc are never visible to real queries."""
-    _check(q, "cmp_backend")
     B, T, HQ, D = q.shape
     n_cmp, H = k.shape[1], k.shape[2]
     n_pos = -(-T // stride)

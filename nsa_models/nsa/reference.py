@@ -16,11 +16,6 @@ from torch.nn.attention.flex_attention import BlockMask
 from nsa_models.args import NSAArgs
 
 
-def num_cmp_blocks(seq_len: int, block: int, stride: int) -> int:
-    """Compressed blocks [i*d, i*d+l) that fit in seq_len tokens."""
-    return max(0, (seq_len - block) // stride + 1)
-
-
 def selection_scores(p_cmp: Tensor, seq_len: int, args: NSAArgs) -> Tensor:
     """Spec step 2: p_slc[j] = sum_i p_cmp[i] * |cmp block i ∩ selection block j| / d, summed over the group.
 
@@ -31,7 +26,7 @@ def selection_scores(p_cmp: Tensor, seq_len: int, args: NSAArgs) -> Tensor:
     """
     p = p_cmp.sum(2)  # the GQA group shares one selection (linear: sum first)
     per_block, per_sel = args.cmp_block_size // args.cmp_stride, args.sel_block_size // args.cmp_stride
-    n_sel = (seq_len + args.sel_block_size - 1) // args.sel_block_size
+    n_sel = args.num_sel_blocks(seq_len)
     segments = sum(F.pad(p, (shift, per_block - 1 - shift)) for shift in range(per_block))  # [.., Nc + l/d - 1]
     segments = F.pad(segments, (0, n_sel * per_sel - segments.shape[-1]))  # the cmp blocks end before T
     return segments.unflatten(-1, (n_sel, per_sel)).sum(-1)
@@ -47,9 +42,9 @@ def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride:
     A custom op so that activation checkpointing can always save it (recomputation selects the same blocks).
     """
     C = p_cmp.shape[3]
-    n_sel = (seq_len + sel_block - 1) // sel_block
-    score = selection_scores(p_cmp, seq_len, NSAArgs(cmp_block_size=block, cmp_stride=stride,
-                                                     sel_block_size=sel_block))  # [B, H, C, Ns]
+    args = NSAArgs(cmp_block_size=block, cmp_stride=stride, sel_block_size=sel_block)
+    n_sel = args.num_sel_blocks(seq_len)
+    score = selection_scores(p_cmp, seq_len, args)  # [B, H, C, Ns]
     t = torch.arange(q_start, q_start + C, device=p_cmp.device)[:, None]
     j = torch.arange(n_sel, device=p_cmp.device)[None, :]
     current = t // sel_block

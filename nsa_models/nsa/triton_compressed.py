@@ -35,17 +35,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_models.nsa.triton_selected import (
-    dot_precision,
-    head_rows_operand,
-    load_head_rows,
-    load_rows,
-    online_softmax_update,
-    softmax_delta,
-    softmax_output,
-)
+from nsa_models.nsa import triton_common
+from nsa_models.nsa.triton_common import LOG2E, load_head_rows, load_rows, online_softmax_update, softmax_output
 
-_LOG2E = 1.4426950408889634  # kernels read only constexpr globals, so they spell out their constants
 _ROWS = 64  # rows per tile: query positions x the group's heads (padded to a power of two in dK/dV and the selection)
 _KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
 _KEYS_BWD = 64  # compressed blocks per dK/dV program: each query row loaded serves this many keys
@@ -318,7 +310,7 @@ def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict
     GP = triton.next_power_of_2(G) if pad_heads else G
     if GP > _ROWS:
         raise ValueError(f"compressed attention: GQA group size {G} is above {_ROWS}")
-    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=dot_precision(dtype))
+    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype))
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
@@ -336,7 +328,7 @@ def _kv_operands(k: Tensor, v: Tensor, rows: int) -> tuple[TensorDescriptor, Ten
     op ms, forward / backward / selection): 64k, G = 16, D = 128: 10.87 / 29.12 / 13.57 -> 9.93 / 28.17 / 11.66;
     32k, G = 1: 2.90 / 9.62 / 4.70 -> 2.67 / 9.29 / 4.77; nsa-125m (G = 3, D = 64) at 1 x 32k: 0.410 / 1.289 /
     1.005 -> 0.392 / 1.262 / 1.004, at 16 x 2k: 0.102 / 0.226 / 0.131 -> 0.099 / 0.226 / 0.134."""
-    return head_rows_operand(k, rows, True), head_rows_operand(v, rows, True)
+    return tuple(triton_common.head_rows_operand(x, rows, True) for x in (k, v))
 
 
 @torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
@@ -353,7 +345,7 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), o, lse, T, NC, scale * _LOG2E, H=H, L=block, S=stride,
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), o, lse, T, NC, scale * LOG2E, H=H, L=block, S=stride,
                       BN=_KEYS, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
@@ -381,7 +373,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     args = dict(H=H, L=block, S=stride, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * _LOG2E, scale, BN=_KEYS, **tiles, **args)
+        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * LOG2E, scale, BN=_KEYS, **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
     # keep the heads padded to a power of two: with G rows a position (G = 3) it spilled 104 registers at D = 64
@@ -393,7 +385,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dv_part = torch.empty_like(dk_part)
     if NC:
         _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), do, lse, delta, dk_part,
-                                                     dv_part, T, NC, chunk, scale * _LOG2E, scale, BN=_KEYS_BWD,
+                                                     dv_part, T, NC, chunk, scale * LOG2E, scale, BN=_KEYS_BWD,
                                                      **_tiling(HQ // H, D, q.dtype, pad_heads=True), **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
@@ -412,8 +404,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), ctx.block, ctx.stride,
-                                          ctx.scale)
+    delta = triton_common.softmax_delta(o, do, dlse)
+    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
@@ -452,8 +444,9 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     tile_keys = per_tile * sel_block // stride
     tma = tile_keys <= _TMA_BOX_ROWS
     pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
-    _select_kernel[grid](q, head_rows_operand(k, tile_keys, tma), lse, idx, entropy, keys, T, NC, n_sel, n_selected,
-                         32 if wide else (n_sel - 1).bit_length(), scale * _LOG2E, H=H, L=block, S=stride,
+    keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
+    _select_kernel[grid](q, keys_operand, lse, idx, entropy, keys, T, NC, n_sel, n_selected,
+                         32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
                          SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
                          PIPELINED=pipelined, **tiles, num_warps=4, num_stages=3 if pipelined else 2)
     return idx, entropy, keys

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-_LOG2E = 1.4426950408889634
+from nsa_models.nsa import triton_common
+from nsa_models.nsa.triton_common import LOG2E, load_head_rows, load_rows, online_softmax_update, softmax_output
+
 # (query, slot) pairs per key-block work item: bounds the longest program (block 0 is chosen by every query). Fewer
 # items mean fewer fp32 dK/dV partial tiles to write and add. Measured (H200, selected fwd+bwd, 256 -> 1024): 1 x 32k
 # G = 3 D = 64 4.07 -> 3.53 ms, 4 x 8k G = 3 3.62 -> 3.35, 1 x 64k G = 3 8.06 -> 6.95, 32k G = 1 D = 128 44.4 -> 39.0,
@@ -50,22 +51,6 @@ _ROW_BITS_MAX = 64  # union places a query's bitmask covers (one int64); wider u
 
 
 @triton.jit
-def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                   BD: tl.constexpr, TMA: tl.constexpr):
-    """Rows [start, start + ROWS) of head h of batch b of a [B, N, H, D] tensor, as [ROWS, BD]; rows outside
-    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand`) and the copy engine loads the
-    box (head-dim lanes past D may hold the next head's values: callers meet them with zero q / dO lanes and
-    never store them); else pointer loads."""
-    if TMA:
-        x = X.load([tl.cast(b, tl.int32), tl.cast(start, tl.int32), tl.cast(h * D, tl.int32)]).reshape(ROWS, BD)
-    else:
-        r = start + tl.arange(0, ROWS)
-        ptr = (b * N * H + h) * D + r[:, None] * (H * D) + d[None, :]  # the scalar part first: fewer registers
-        x = tl.load(X + ptr, mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
-    return x
-
-
-@triton.jit
 def _load_block(K, V, b, h, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                 BD: tl.constexpr, TMA: tl.constexpr):
     """Positions [BS] and keys/values [BS, BD] of selection block `blk` of KV head h of batch b; block -1
@@ -73,24 +58,6 @@ def _load_block(K, V, b, h, blk, u, d, d_ok, T, H: tl.constexpr, D: tl.constexpr
     pipeliner can prefetch through."""
     return (blk * BS + u, load_head_rows(K, b, h, blk * BS, T, d, d_ok, BS, H, D, BD, TMA),
             load_head_rows(V, b, h, blk * BS, T, d, d_ok, BS, H, D, BD, TMA))
-
-
-@triton.jit
-def online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
-    """Fold one key tile into a streaming softmax: scores s [rows, keys] in log2 units (-inf: not visible),
-    values v [keys, BD]; running row max m, row sum l and output acc [rows, BD]."""
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-
-
-@triton.jit
-def softmax_output(m, l, acc):
-    """Normalised output [rows, BD] and natural-log lse [rows]; a row that saw no key gives 0 and -inf."""
-    l_safe = tl.where(l > 0, l, 1.0)
-    return acc / l_safe[:, None], tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
 
 @triton.jit
@@ -154,16 +121,6 @@ def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, N_
     o, lse = softmax_output(m, l, acc)
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + rows, lse, mask=row_ok)
-
-
-@triton.jit
-def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
-    """Backward inputs of query rows: q and dO [rows, BD], log-sum-exp (in log2 units) and delta [rows]."""
-    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    return q, do, lse, delta
 
 
 @triton.jit(do_not_specialize=["T", "N_SEL", "L"])
@@ -378,11 +335,6 @@ def _tile_blocks(block_indices: Tensor, n_blocks: int, QT: int) -> tuple[Tensor,
     return blocks, counts, torch.where(block_indices >= 0, 1 << union_slot, 0).sum(-1)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot precision: exact fp32 for fp32 inputs, tf32 otherwise (bf16 products are exact in either)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _key_major(G: int, n_blocks: int, n: int) -> bool:
     """Whether the forward and dQ run key-block-major (Flash Sparse Attention's order: each key block with the
     queries that chose it, per-(query, slot) results merged afterwards) instead of by query tiles.
@@ -419,22 +371,6 @@ def _layout_shape(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
     return q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3]
 
 
-def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
-    """What `load_head_rows` reads x [B, N, H, D] through: with tma, its descriptor, one box = `rows` rows of one
-    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself. Before Hopper (no TMA)
-    Triton compiles descriptor loads to pointer loads."""
-    if not tma:
-        return x
-    B, N, H, D = x.shape
-    if D > 256 or H * D * x.element_size() % 16:
-        raise ValueError(f"NSA Triton kernels: head dim {D} must be at most 256, with H * D * element size = "
-                         f"{H * D * x.element_size()} bytes a multiple of 16 (a TMA descriptor's rows)")
-    if N == 0 or x.data_ptr() % 16:  # TMA needs a 16-byte aligned base
-        x = x.new_zeros(B, 1, H, D) if N == 0 else x.clone()
-    return TensorDescriptor(x.view(B, -1, H * D), [B, x.shape[1], H * D], [x.shape[1] * H * D, H * D, 1],
-                            [1, rows, triton.next_power_of_2(D)])
-
-
 def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
                tile_bits: Tensor, block_size: int, dq: bool) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments of the forward (or, with dq, the dQ) kernel: the key/value descriptors, the
@@ -453,10 +389,11 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     # block lists (unions wider than 64) keep pointer loads: with TMA they were not measured.
     row_bits = tile_bits.numel() > 0
     tma = rows <= 16 or row_bits
-    tile = dict(K=head_rows_operand(k, block_size, tma), V=head_rows_operand(v, block_size, tma), IDX=block_indices,
+    k_operand, v_operand = (triton_common.head_rows_operand(x, block_size, tma) for x in (k, v))
+    tile = dict(K=k_operand, V=v_operand, IDX=block_indices,
                 TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, N_SEL=n,
                 L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
-                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), TMA=tma,
+                BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), TMA=tma,
                 ROW_BITS=row_bits,
                 num_warps=2 if rows <= 16 else 4,
                 # 3 pipeline stages for the dQ of one-query tiles: 64k, G = 16, 15.63 -> 15.22 ms, 16k 3.91 -> 3.72;
@@ -498,12 +435,12 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
         # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2
         # (G = 3, 4 x 8k: 1.38 with 2, 1.48 with 3; 1 x 64k: 2.64, 2.90).
         item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS, stages=3 if D > 64 else 2)
-        _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * _LOG2E,
+        _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E,
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
         grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=False)
-        _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * _LOG2E, **tile)
+        _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * LOG2E, **tile)
     return o, lse
 
 
@@ -560,7 +497,7 @@ def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, 
     rows = max(rows, triton.next_power_of_2(G))
     return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T,
                 N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
-                BD=triton.next_power_of_2(D), PRECISION=dot_precision(q.dtype), num_stages=stages)
+                BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), num_stages=stages)
 
 
 def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: Tensor, lse: Tensor | None) -> None:
@@ -596,7 +533,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     dq = torch.empty_like(q)
     if not dq_terms:
         grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=True)
-        _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * _LOG2E, scale=scale, **tile)
+        _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if dq_terms and G >= 3 and D > 64 else _ITEM_ROWS
     # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
@@ -613,7 +550,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     # 3.14 ms, 1 x 64k 6.73 -> 6.11; G = 1, 1 x 32k 4.62 -> 3.57). Without the term 4 warps stay faster despite
     # their smaller spill.
     _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part,
-                                 qk_scale=scale * _LOG2E, scale=scale, WITH_DQ=dq_terms,
+                                 qk_scale=scale * LOG2E, scale=scale, WITH_DQ=dq_terms,
                                  num_warps=8 if dq_terms and D > 64 else 4, **item_args)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     H = item_args["H"]
@@ -637,17 +574,10 @@ def _setup_context(ctx, inputs, output):
     ctx.block_size, ctx.scale = block_size, scale
 
 
-def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
-    """delta = rowsum(o * do) - dlse [B, T, HQ] fp32, the backward's per-row term (d lse / d scores = p, so an lse
-    cotangent shifts it)."""
-    delta = (o.float() * do.float()).sum(-1)
-    return delta if dlse is None else delta - dlse
-
-
 def _backward(ctx, do, dlse):
     o, lse, q, k, v, block_indices, *lists = ctx.saved_tensors
-    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, softmax_delta(o, do, dlse), block_indices, *lists,
-                                        ctx.block_size, ctx.scale)
+    delta = triton_common.softmax_delta(o, do, dlse)
+    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, *lists, ctx.block_size, ctx.scale)
     return dq, dk, dv, *[None] * (len(lists) + 3)  # block_indices, the work lists, block_size, scale
 
 

@@ -1,0 +1,87 @@
+"""Triton helpers shared by the compressed (`triton_compressed`) and selected (`triton_selected`) NSA kernels:
+key/value row loads (pointer or TMA), the streaming softmax and its backward's per-row inputs.
+
+Layouts as the kernels': q, o [B, T, HQ, D]; k, v [B, N, H, D] (N: tokens or compressed blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+LOG2E = 1.4426950408889634  # host code scales by it; kernels read only constexpr globals, so they spell it out
+
+
+@triton.jit
+def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                   BD: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + ROWS) of head h of batch b of a [B, N, H, D] tensor, as [ROWS, BD]; rows outside
+    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand`) and the copy engine loads the
+    box (head-dim lanes past D may hold the next head's values: callers meet them with zero q / dO lanes and
+    never store them); else pointer loads."""
+    if TMA:
+        x = X.load([tl.cast(b, tl.int32), tl.cast(start, tl.int32), tl.cast(h * D, tl.int32)]).reshape(ROWS, BD)
+    else:
+        r = start + tl.arange(0, ROWS)
+        ptr = (b * N * H + h) * D + r[:, None] * (H * D) + d[None, :]  # the scalar part first: fewer registers
+        x = tl.load(X + ptr, mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
+    """Fold one key tile into a streaming softmax: scores s [rows, keys] in log2 units (-inf: not visible),
+    values v [keys, BD]; running row max m, row sum l and output acc [rows, BD]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def softmax_output(m, l, acc):
+    """Normalised output [rows, BD] and natural-log lse [rows]; a row that saw no key gives 0 and -inf."""
+    l_safe = tl.where(l > 0, l, 1.0)
+    return acc / l_safe[:, None], tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
+def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
+    """Backward inputs of query rows: q and dO [rows, BD], log-sum-exp (in log2 units) and delta [rows]."""
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
+    """What `load_head_rows` reads x [B, N, H, D] through: with tma, its descriptor, one box = `rows` rows of one
+    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself. Before Hopper (no TMA)
+    Triton compiles descriptor loads to pointer loads."""
+    if not tma:
+        return x
+    B, N, H, D = x.shape
+    if D > 256 or H * D * x.element_size() % 16:
+        raise ValueError(f"NSA Triton kernels: head dim {D} must be at most 256, with H * D * element size = "
+                         f"{H * D * x.element_size()} bytes a multiple of 16 (a TMA descriptor's rows)")
+    if N == 0 or x.data_ptr() % 16:  # TMA needs a 16-byte aligned base
+        x = x.new_zeros(B, 1, H, D) if N == 0 else x.clone()
+    return TensorDescriptor(x.view(B, -1, H * D), [B, x.shape[1], H * D], [x.shape[1] * H * D, H * D, 1],
+                            [1, rows, triton.next_power_of_2(D)])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision: exact fp32 for fp32 inputs, tf32 otherwise (bf16 products are exact in either)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
+    """delta = rowsum(o * do) - dlse [B, T, HQ] fp32, the backward's per-row term (d lse / d scores = p, so an lse
+    cotangent shifts it)."""
+    delta = (o.float() * do.float()).sum(-1)
+    return delta if dlse is None else delta - dlse
