@@ -40,13 +40,17 @@ class HFTokenizer:
     """A `tokenizers` JSON file (e.g. a model's tokenizer.json); EOS is its end-of-text special token."""
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as _Tokenizer  # optional dependency: only needed for this spec
-
+        try:
+            from tokenizers import Tokenizer as _Tokenizer  # optional dependency: only needed for this spec
+        except ImportError:
+            raise ConfigError(f"data.tokenizer: {path} needs the `tokenizers` package, which is not installed: "
+                              "`pip install tokenizers`, or set data.tokenizer = 'byte'") from None
         try:
             self._tokenizer = _Tokenizer.from_file(path)
-        except Exception as error:  # tokenizers raises a bare Exception for unreadable files
-            raise ConfigError(f"data.tokenizer: {path} is not a tokenizers JSON file ({error}); "
-                              "give `byte` or the path of a tokenizer.json") from error
+        except Exception as error:  # tokenizers raises a bare Exception for any unreadable or malformed file
+            cause = " ".join(str(error).split())  # one line: its messages may span several
+            raise ConfigError(f"data.tokenizer: {path} is not a tokenizers JSON file ({cause}); "
+                              "give `byte` or the path of a tokenizer.json") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         eos_ids = [self._tokenizer.token_to_id(token) for token in EOS_TOKENS]
         eos_ids = [i for i in eos_ids if i is not None]

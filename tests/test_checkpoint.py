@@ -1,13 +1,19 @@
-"""nsa_training.checkpoint: exact resume, atomic saves, pruning, resume selection, weight export.
+"""nsa_training.checkpoint: exact resume, atomic saves, pruning, resume selection, weight export, a full or
+unwritable disk, and damaged checkpoints.
 
 Single-process tests run in a 1-process gloo group. This file is also the worker of the subprocess tests:
-`python tests/test_checkpoint.py kill TMP` and `torchrun ... tests/test_checkpoint.py fsdp TMP`.
+`python tests/test_checkpoint.py kill TMP`, `... full_disk_train TMP` and `torchrun ... tests/test_checkpoint.py
+fsdp TMP`.
 """
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
+from nsa_training.checkpoint import (
+    MANIFEST,
+    WRITE_FAILED_EXIT_CODE,
+    CheckpointManager,
+    CheckpointWriteFailed,
+    ModelState,
+    OptimizerState,
+    RankLocalState,
+    RNGState,
+)
 from nsa_training.config import CheckpointConfig, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]  # on PYTHONPATH of the subprocess workers, which run this file
@@ -211,6 +226,207 @@ def test_export_weights_loads_into_plain_model(pg, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model.pt"]
 
 
+class FailingDisk:
+    """Files opened for writing under `folder` take `free` bytes in all, then every write fails with `error`
+    (ENOSPC: a full disk; EACCES: no permission), as the OS would; a stand-in that needs no root or tmpfs.
+    `free=None`: no limit. `writes` records (file, bytes) of every write."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, free: int | None,
+                 error: int = errno.ENOSPC) -> None:
+        self.folder, self.free, self.error = str(folder), free, error
+        self.writes: list[tuple[str, int]] = []
+        real_open = io.open
+
+        def open_(file, mode="r", *args, **kwargs):
+            f = real_open(file, mode, *args, **kwargs)
+            return _Budgeted(f, self) if set(mode) & set("wax+") and str(file).startswith(self.folder) else f
+
+        monkeypatch.setattr(io, "open", open_)  # pathlib's Path.open (DCP's writer) calls io.open
+        monkeypatch.setattr(builtins, "open", open_)
+
+    def take(self, n: int, name: str) -> None:
+        if self.free is not None:
+            if n > self.free:
+                raise OSError(self.error, os.strerror(self.error), name)
+            self.free -= n
+        self.writes.append((name, n))
+
+
+class _Budgeted:
+    """A file whose writes draw on a FailingDisk's budget."""
+
+    def __init__(self, f, disk: FailingDisk) -> None:
+        self._f, self._disk = f, disk
+
+    def write(self, data) -> int:
+        self._disk.take(len(data.encode()) if isinstance(data, str) else memoryview(data).nbytes, self._f.name)
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _Budgeted:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._f.close()
+
+
+def free_space(writes: list[tuple[str, int]], where: str) -> int:
+    """The free space at which a save that makes `writes` fails at `where`."""
+    if where == "start":
+        return 0
+    if where == "tensor":  # inside torch.save of the largest tensor: torch reports it as "unexpected pos"
+        largest = max(range(len(writes)), key=lambda i: writes[i][1])
+        return sum(n for _, n in writes[:largest]) + writes[largest][1] // 2
+    return sum(n for name, n in writes if not name.endswith(MANIFEST))  # everything but the checksums fits
+
+
+@pytest.mark.parametrize("where, error, what", [
+    ("start", errno.ENOSPC, "the disk is full"),
+    ("tensor", errno.ENOSPC, "the disk is full"),
+    ("manifest", errno.ENOSPC, "the disk is full"),
+    ("start", errno.EACCES, "no permission to write there"),
+], ids=["full_at_start", "full_in_tensor_data", "full_at_manifest", "not_writable"])
+def test_failed_save_is_one_line_and_keeps_the_previous_checkpoint(pg, tmp_path, monkeypatch, where, error, what):
+    mgr = CheckpointManager(CheckpointConfig(interval=1, keep=1), tmp_path)
+    torch.manual_seed(0)
+    model = TinyNet()
+    states = {"model": ModelState(model), "big": {"tensor": torch.randn(1 << 16)}}
+    with monkeypatch.context() as patch:
+        writes = FailingDisk(patch, mgr.folder, free=None).writes
+        mgr.save(1, states)
+    with monkeypatch.context() as patch:
+        FailingDisk(patch, mgr.folder, free_space(writes, where), error)
+        with pytest.raises(CheckpointWriteFailed) as failure:
+            mgr.save(2, states)  # the same states: the same writes as step 1's
+    message = str(failure.value)
+    assert failure.value.exit_code == WRITE_FAILED_EXIT_CODE and "\n" not in message
+    assert re.fullmatch(rf"cannot write checkpoint \S+step-00000002: {what} \({os.strerror(error)}: {tmp_path}\S*\); "
+                        rf"the latest complete checkpoint \S+step-00000001 is kept; .*{mgr.folder}.*", message), message
+    assert names(mgr) == ["step-00000001"]  # no partial left behind: its space is freed
+    assert mgr.resume_path() == mgr.folder / "step-00000001"
+    fresh = TinyNet()
+    assert mgr.load(mgr.resume_path(), {"model": ModelState(fresh)}) == 1
+    assert_same_params(fresh.state_dict(), model.state_dict())
+
+
+def test_failed_weight_export_is_one_line(pg, tmp_path, monkeypatch):
+    mgr = CheckpointManager(CheckpointConfig(), tmp_path)
+    FailingDisk(monkeypatch, tmp_path, free=100)
+    with pytest.raises(CheckpointWriteFailed, match=r"^cannot write the weights \S+model\.pt: the disk is full "):
+        mgr.export_weights(TinyNet(), tmp_path / "model.pt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_train_py_exits_7_with_one_line_when_the_disk_is_full(tmp_path):
+    proc = subprocess.run([sys.executable, __file__, "full_disk_train", str(tmp_path)], env=_worker_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == WRITE_FAILED_EXIT_CODE, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("warning:")]
+    assert len(errors) == 1 and errors[0].startswith("error: cannot write checkpoint "), proc.stderr[-3000:]
+    assert "the disk is full" in errors[0] and "Traceback" not in proc.stderr
+
+
+def _full_disk_train(tmp: Path) -> None:
+    """train.py's main on a disk that fills up at the first checkpoint; exits with main's status."""
+    sys.path.insert(0, str(REPO))
+    import train
+
+    run_dir = tmp / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        FailingDisk(patch, run_dir / "checkpoints", free=0)
+        code = train.main(["recipes/debug.toml", "--job.run_dir", str(run_dir), "--data.source", "synthetic",
+                           "--training.steps", "1", "--lr_scheduler.warmup_steps", "0", "--training.eval_interval",
+                           "0", "--training.global_batch_tokens", "512", "--training.micro_batch_size", "2"])
+    train.exit_now(code)
+
+
+def damage(path: Path, how: str) -> None:
+    """Damage the checkpoint at `path` as storage or people do."""
+    shard = next(path.glob("*.distcp"))
+    if how == "truncated_shard":
+        os.truncate(shard, shard.stat().st_size // 2)
+    elif how == "missing_metadata":
+        (path / ".metadata").unlink()
+    elif how == "garbage_in_shard":  # same size: only the checksum can tell
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 3)
+            f.write(os.urandom(min(4096, shard.stat().st_size // 3)))
+    elif how == "garbage_in_metadata":
+        size = (path / ".metadata").stat().st_size
+        (path / ".metadata").write_bytes(os.urandom(size))
+    elif how == "missing_manifest":
+        (path / MANIFEST).unlink()
+    else:
+        (path / MANIFEST).write_text("{not json")
+
+
+DAMAGES = ["truncated_shard", "missing_metadata", "garbage_in_shard", "garbage_in_metadata", "broken_manifest"]
+PROBLEMS = {"truncated_shard": r"__0_0\.distcp has \d+ of its \d+ bytes", "missing_metadata": r"\.metadata is missing",
+            "garbage_in_shard": r"__0_0\.distcp does not match its checksum",
+            "garbage_in_metadata": r"\.metadata does not match its checksum",
+            "broken_manifest": rf"unreadable {MANIFEST} \(JSONDecodeError"}
+
+
+def three_checkpoints(tmp_path: Path) -> tuple[CheckpointManager, dict[int, dict[str, torch.Tensor]]]:
+    mgr = CheckpointManager(CheckpointConfig(interval=1, keep=0), tmp_path)
+    run = Run(seed=0)
+    params = {}
+    for step in range(1, 4):
+        run.step()
+        mgr.save(step, run.states)
+        params[step] = {k: v.clone() for k, v in run.model.state_dict().items()}
+    return mgr, params
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_resume_passes_over_a_damaged_latest_checkpoint(pg, tmp_path, capfd, how):
+    mgr, params = three_checkpoints(tmp_path)
+    assert mgr.verify(mgr.folder / "step-00000003") is None
+    damage(mgr.folder / "step-00000003", how)
+    capfd.readouterr()
+    assert mgr.resume_path() == mgr.folder / "step-00000002"
+    warning = capfd.readouterr().err
+    assert re.fullmatch(rf"warning: checkpoint \S+step-00000003 is damaged \({PROBLEMS[how]}.*\): not loaded; "
+                        r"trying the one before\n", warning), warning
+    resumed = Run(seed=5)
+    assert mgr.load(mgr.resume_path(), resumed.states) == 2
+    assert_same_params(resumed.model.state_dict(), params[2])
+
+    strict = CheckpointManager(CheckpointConfig(strict_resume=True), tmp_path)
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.strict_resume: the latest checkpoint \S+step-00000003 is "
+                                          rf"damaged \({PROBLEMS[how]}"):
+        strict.resume_path()
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.load_path \S+step-00000003: {PROBLEMS[how]}"):
+        CheckpointManager(CheckpointConfig(load_path=str(mgr.folder / "step-00000003")), tmp_path).resume_path()
+
+
+def test_a_checkpoint_of_an_older_version_loads_unverified_unless_strict(pg, tmp_path, capfd):
+    """Checkpoints written before checksums existed have no manifest: resume still loads them (with a warning),
+    so an upgrade loses no run; strict_resume refuses them."""
+    mgr, params = three_checkpoints(tmp_path)
+    damage(mgr.folder / "step-00000003", "missing_manifest")
+    capfd.readouterr()
+    assert mgr.resume_path() == mgr.folder / "step-00000003"
+    assert "has no checksums.json (written by an older version): loaded unverified" in capfd.readouterr().err
+    resumed = Run(seed=5)
+    assert mgr.load(mgr.resume_path(), resumed.states) == 3
+    assert_same_params(resumed.model.state_dict(), params[3])
+    with pytest.raises(ConfigError, match=r"^checkpoint\.strict_resume: the latest checkpoint \S+step-00000003 is "
+                                          rf"damaged \(no {MANIFEST}"):
+        CheckpointManager(CheckpointConfig(strict_resume=True), tmp_path).resume_path()
+
+
+def test_resume_refuses_when_no_checkpoint_verifies(pg, tmp_path, capfd):
+    mgr, _ = three_checkpoints(tmp_path)
+    for step in range(1, 4):
+        damage(mgr.folder / f"step-0000000{step}", "garbage_in_shard")
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: no checkpoint in \S+ verifies"):
+        mgr.resume_path()
+    assert capfd.readouterr().err.count("warning: checkpoint ") == 3
+
+
 def _worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -311,6 +527,7 @@ def _fsdp_resume(tmp: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"kill": _kill_during_save, "fsdp": _fsdp_resume}[sys.argv[1]](Path(sys.argv[2]))
+    workers = {"kill": _kill_during_save, "fsdp": _fsdp_resume, "full_disk_train": _full_disk_train}
+    workers[sys.argv[1]](Path(sys.argv[2]))
     sys.stdout.flush()
     os._exit(0)  # as train.exit_now: gloo can abort a finished process at interpreter teardown

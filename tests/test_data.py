@@ -4,7 +4,10 @@ import json
 import os
 import pickle
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets reads its config
 
@@ -21,6 +24,7 @@ from nsa_training.tokenizer import build_tokenizer  # noqa: E402
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) + "é€" * (i % 3) for i in range(40)]  # unique, some UTF-8
 EVAL_DOCS, TRAIN_DOCS = DOCS[0::4], [d for i, d in enumerate(DOCS) if i % 4]  # eval_fraction 0.25 below
 EOS = 256
+REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 15, 2
 
 
@@ -239,23 +243,151 @@ def bad_source(tmp_path, case):
     if case == "blank_txt":
         (tmp_path / "blank.txt").write_text("\n\n\n\n\n\n\n\n")
         return tmp_path / "blank.txt"
+    if case == "blank_jsonl":
+        (tmp_path / "blank.jsonl").write_text("\n \n\t\n" * 3)
+        return tmp_path / "blank.jsonl"
+    if case in ("random_parquet", "random_jsonl"):
+        path = tmp_path / f"random.{case.removeprefix('random_')}"
+        path.write_bytes(bytes(range(256)) * 16)
+        return path
+    if case == "not_utf8_txt":
+        (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
+        return tmp_path / "latin1.txt"
+    if case == "folder_of_folders":  # names that look like data files but are folders
+        (tmp_path / "corpus" / "a.jsonl").mkdir(parents=True)
+        return tmp_path / "corpus"
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     return tmp_path / "broken.jsonl"
 
 
-@pytest.mark.parametrize("case", ["missing", "csv", "empty_folder", "mixed_folder", "empty_file", "blank_txt",
-                                  "broken"])
-def test_bad_source_names_data_source(tmp_path, case):
-    with pytest.raises(ConfigError, match=r"^data\.source: ") as error:
+@pytest.mark.parametrize("case, says", [
+    ("missing", "is not embedded, synthetic, hf://NAME, or an existing file or folder"),
+    ("csv", "is not a .jsonl/.json/.parquet/.txt file"), ("empty_folder", "holds no .jsonl/.json/.parquet/.txt files"),
+    ("mixed_folder", "mixes file types"), ("empty_file", "has no documents"), ("blank_txt", "has no documents"),
+    ("blank_jsonl", "has no documents"), ("random_parquet", "cannot read .* \\(ArrowInvalid: "),
+    ("random_jsonl", "cannot read .* \\(ArrowInvalid: JSON parse error"),
+    ("not_utf8_txt", "cannot read .* \\(UnicodeDecodeError: "), ("folder_of_folders", "holds no .jsonl"),
+    ("broken", "cannot read .* \\(ArrowInvalid: JSON parse error"),
+])
+def test_bad_source_names_data_source(tmp_path, case, says):
+    with pytest.raises(ConfigError, match=rf"^data\.source: .*{says}") as error:
         next(make_loader(bad_source(tmp_path, case)))
     assert "\n" not in str(error.value)
 
 
+def test_train_py_reports_unreadable_data_in_one_line(tmp_path):
+    """Nothing but the one line: datasets' own error log ("Failed to load JSON from file ...") is dropped."""
+    result = subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir", str(tmp_path / "run"),
+                             "--data.source", str(bad_source(tmp_path, "broken"))], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 2
+    one_line = r"error: data\.source: cannot read [^\n]* \(ArrowInvalid: [^\n]*\n"
+    assert re.fullmatch(one_line, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("values", [[5, 6, 7, 8, 9], [["a"], ["b"]] * 3, ["a", "b", "c", 4, "d", "e"],
+                                    ["a", "b", "c", {"x": 1}, "d"]], ids=["int", "list", "int_later", "dict_later"])
+def test_text_of_another_type_names_data_text_field(tmp_path, values):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": v}) + "\n" for v in values))
+    with pytest.raises(ConfigError, match=r"^data\.text_field: column 'text' .* holds (int|list|dict) values"):
+        loader = make_loader(path)  # the first document is checked at once, later ones when read
+        for _ in range(20):
+            next(loader)
+
+
+def test_any_failure_inside_datasets_is_one_line_naming_the_source(monkeypatch, jsonl):
+    """The class, not the cases: whatever datasets raises while loading or while streaming is one line."""
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(jsonl))
+
+    monkeypatch.setattr(datasets, "load_dataset", unreadable)
+    with pytest.raises(ConfigError, match=r"^data\.source: cannot read .*PermissionError: .*Permission denied"):
+        make_loader(jsonl)
+
+    def dies_after_three(shards):
+        for i in range(3):
+            yield {"text": f"document {i}"}
+        raise ConnectionError("Connection reset by peer\n(while reading shard 2)")
+
+    def stream(name, config=None, *, split, streaming):
+        return datasets.IterableDataset.from_generator(dies_after_three, gen_kwargs={"shards": [0]})
+
+    monkeypatch.setattr(datasets, "load_dataset", stream)
+    loader = make_loader("hf://flaky", eval_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"^data\.source: cannot stream hub dataset 'flaky' .*ConnectionError: "
+                                          r"Connection reset by peer \(while reading shard 2\)"):
+        for _ in range(20):
+            next(loader)
+
+
+def test_unreachable_hub_fails_at_once(monkeypatch):
+    import huggingface_hub
+
+    class NoNetwork:
+        def head(self, url, timeout):
+            raise ConnectionError(f"[Errno -2] Name or service not known: {url}")
+
+    def must_not_load(*args, **kwargs):  # it would retry for ~25 s
+        raise AssertionError("load_dataset called although the hub is unreachable")
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_session", NoNetwork)
+    monkeypatch.setattr(datasets, "load_dataset", must_not_load)
+    with pytest.raises(ConfigError, match=r"^data\.source: the hub \S+ is unreachable .*HF_HUB_OFFLINE=1"):
+        make_loader("hf://somebody/corpus")
+
+
+def test_offline_mode_reads_the_cache_without_probing_the_hub(monkeypatch, hub_stream):
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "get_session", None)  # a probe would fail: None is not callable
+    assert read_documents(make_loader(hub_stream, part="eval"), 1) == EVAL_DOCS[:1]
+
+
+def test_tokenizer_file_without_the_tokenizers_package(monkeypatch, tmp_path, jsonl):
+    path = bpe_file(tmp_path, ["<|endoftext|>"])
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: .* needs the `tokenizers` package.*pip install"):
+        make_loader(jsonl, tokenizer=str(path))
+
+
+@pytest.mark.parametrize("content", [b'{"model": {"type": "BPE"', b"{}", bytes(range(256))],
+                         ids=["truncated", "no_model", "binary"])
+def test_malformed_tokenizer_file_is_one_line(tmp_path, jsonl, content):
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: .* is not a tokenizers JSON file") as error:
+        make_loader(jsonl, tokenizer=str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_documents_without_datasets_installed_is_one_line(monkeypatch, jsonl):
+    monkeypatch.delitem(sys.modules, "nsa_training.documents", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"^data\.source '.*' needs the `datasets` package.*pip install datasets"):
+        make_loader(jsonl)
+
+
+def test_synthetic_run_needs_neither_datasets_nor_pyarrow(tmp_path):
+    """Benchmark machines may lack them: a synthetic run must not import them (an import would raise here)."""
+    script = (
+        "import sys\n"
+        "sys.modules['datasets'] = sys.modules['pyarrow'] = None\n"
+        "import train\n"
+        f"code = train.main(['recipes/debug.toml', '--job.run_dir', {str(tmp_path / 'run')!r}, '--data.source', "
+        "'synthetic', '--training.steps', '1', '--lr_scheduler.warmup_steps', '0', '--training.eval_interval', '1', "
+        "'--training.eval_batches', '1', '--training.global_batch_tokens', '512', '--training.micro_batch_size', '2',"
+        " '--metrics.log_freq', '1'])\n"
+        "train.exit_now(code)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 1 steps" in result.stdout
+
+
 @pytest.mark.parametrize("overrides, key", [
     ({"text_field": "body"}, "data.text_field"),
-    ({"eval_fraction": 0.0}, "data.eval_fraction"),
-    ({"eval_fraction": 1.5}, "data.eval_fraction"),
-    ({"seq_len": 0}, "data.seq_len"),
     ({"split": "test"}, "data.split"),
     ({"tokenizer": "missing.json"}, "data.tokenizer"),
     ({"tokenizer": "NO_EOS"}, "data.tokenizer"),
