@@ -3,16 +3,25 @@
 A recipe is a TOML file whose tables are these sections (`[training]`, `[model.nsa]`, ...); command-line
 overrides `--section.key value` / `--section.key=value` win over the TOML, which wins over the defaults.
 The `[model]` section is `nsa_models.ModelArgs`: its `flavor` supplies every model value the recipe leaves out.
+
+Each section validates itself where it is declared: a field's `metadata` bounds its value with the annotated-types
+names (`gt`, `ge`, `lt`, `le`, `multiple_of`), and every field is held to what its type can carry (`_check_field`).
+Rules between fields of different sections live in `_check_combinations`; rules that need the runtime (the process
+count, the tokenizer, the GPU) are checked once where it is known (trainer, parallelisms, data).
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import functools
+import inspect
 import json
+import math
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+import textwrap
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from nsa_models.args import FLAVORS, ModelArgs, get_flavor
@@ -28,6 +37,11 @@ class ConfigError(Exception):
 
     train.py prints `error: <message>` and exits with status 2, no traceback.
     """
+
+
+MAX_SECONDS = 1e9  # ~31 years: the most that timedelta, time.sleep and thread waits all accept
+FLOAT32_MAX = 3.4028234663852886e38  # float values reach fp32 tensors and kernels (the fused AdamW's lr, ...)
+INT64 = (-(2**63), 2**63 - 1)  # TOML's integers; also what torch.manual_seed and tensor shapes accept
 
 
 @dataclass
@@ -49,65 +63,81 @@ class DataConfig:
     """Split read for training."""
     eval_split: str = ""
     """Split read for evaluation; empty holds out `eval_fraction` of the training documents instead."""
-    eval_fraction: float = 0.01
+    eval_fraction: float = field(default=0.01, metadata={"gt": 0, "lt": 1})
     """Share of documents held out for evaluation when `eval_split` is empty (0 < x < 1)."""
     text_field: str = "text"
     """Column that holds the document text (json/jsonl/parquet)."""
     tokenizer: str = "byte"
     """`byte` (UTF-8 bytes + EOS, no download) or the path of a HuggingFace `tokenizers` JSON file."""
-    seq_len: int = 256
+    seq_len: int = field(default=256, metadata={"gt": 0})
     """Tokens per training sequence; documents are packed with an EOS separator into seq_len+1 windows."""
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 300
+    steps: int = field(default=300, metadata={"gt": 0})
     """Optimizer steps to train for (the run's end, also when resuming)."""
-    global_batch_tokens: int = 8192
+    global_batch_tokens: int = field(default=8192, metadata={"gt": 0})
     """Tokens per optimizer step over all data-parallel ranks; gradient accumulation makes up the rest."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata={"gt": 0})
     """Sequences per rank per forward/backward."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata={"ge": 0})
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata={"ge": 0})
     """Seed of parameter init, data order and every RNG."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when available, else CPU. `cuda` on a machine without a GPU is an error."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype: `auto` is bf16 autocast on GPU and fp32 on CPU. Parameters and optimizer stay fp32."""
-    eval_interval: int = 50
+    eval_interval: int = field(default=50, metadata={"ge": 0})
     """Evaluate the held-out loss every this many steps (0: never)."""
-    eval_batches: int = 4
+    eval_batches: int = field(default=4, metadata={"gt": 0})
     """Micro-batches per evaluation."""
-    max_skipped_steps: int = 5
+    max_skipped_steps: int = field(default=5, metadata={"gt": 0})
     """A step whose loss or gradient norm is not finite is skipped (no update); stop after this many in a row."""
+
+
+@dataclass
+class PasskeyConfig:
+    enable: bool = False
+    """At every evaluation (`training.eval_interval`) also score passkey retrieval: a key hidden in held-out text,
+    asked for at the end (nsa_training/passkey.py). Logs `passkey/accuracy/len<L>`, `passkey/log_likelihood/len<L>`
+    and the image `passkey/accuracy_length_x_depth` (red 0, green 1; rows: lengths, columns: depths)."""
+    min_length: int = field(default=256, metadata={"gt": 0})
+    """Shortest context scored, in tokens; lengths double from here up to `data.seq_len`."""
+    depths: int = field(default=5, metadata={"gt": 0})
+    """Needle positions per length, evenly spaced from the text's start (0) to just before the question (1)."""
+    samples: int = field(default=4, metadata={"gt": 0})
+    """Random keys per (length, depth); one forward per length scores depths x samples sequences."""
+    key_digits: int = field(default=5, metadata={"gt": 0, "le": 18})
+    """Digits of each key."""
 
 
 @dataclass
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
     """Optimizer (AdamW, fused on CUDA)."""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata={"gt": 0})
     """Peak learning rate."""
-    beta1: float = 0.9
+    beta1: float = field(default=0.9, metadata={"ge": 0, "lt": 1})
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = field(default=0.95, metadata={"ge": 0, "lt": 1})
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata={"gt": 0})
     """AdamW epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata={"ge": 0})
     """Decoupled weight decay, applied to matrices only (not norms, biases, gates' biases)."""
 
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = 20
+    warmup_steps: int = field(default=20, metadata={"ge": 0})
     """Linear warmup from 0 to the peak learning rate."""
-    decay_ratio: float = 0.2
+    decay_ratio: float = field(default=0.2, metadata={"ge": 0, "le": 1})
     """Share of all steps spent decaying at the end (WSD); 1.0 decays right after warmup."""
     decay_type: Literal["linear", "cosine"] = "cosine"
     """Shape of the decay."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata={"ge": 0, "le": 1})
     """Final learning rate as a share of the peak."""
 
 
@@ -116,11 +146,19 @@ class ParallelismConfig:
     data_parallel: Literal["ddp", "fsdp", "hsdp"] = "fsdp"
     """How data-parallel ranks hold the model: replicated (DDP), sharded per block (FSDP2), or sharded within
     `dp_replicate` replica groups (HSDP). Ignored with one process."""
-    dp_replicate: int = 1
+    dp_replicate: int = field(default=1, metadata={"gt": 0})
     """Replica groups for HSDP (usually the node count); the shard degree is world_size / dp_replicate."""
     reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (less memory, one more all-gather in backward)."""
-    ddp_bucket_cap_mb: int = 25
+    """FSDP2: free gathered parameters after forward (less memory, one more all-gather per block in backward).
+    `false` keeps every block's bf16 parameters gathered from forward to backward: for small models, whose steps
+    are short, it halves the per-block collectives that both ranks wait on (nsa-125m on 2 x H100: weak-scaling
+    efficiency 0.675 -> 0.931 with one micro-batch, 0.813 -> 0.968 with two; docs/PERFORMANCE.md)."""
+    fsdp_accumulate_unsharded: bool = True
+    """FSDP2/HSDP with several micro-batches per step: keep parameters gathered and gradients unsharded (fp32)
+    across them, so one step all-gathers and reduce-scatters each block once; costs the whole model's bf16
+    parameters plus fp32 gradients per GPU (set false for models where that does not fit: then every micro-batch
+    gathers and reduce-scatters, and HSDP still all-reduces once per step). DDP always syncs once per step."""
+    ddp_bucket_cap_mb: int = field(default=25, metadata={"gt": 0})
     """DDP gradient bucket size."""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: `auto` is NCCL on CUDA and gloo on CPU."""
@@ -131,7 +169,7 @@ class ActivationCheckpointConfig:
     mode: Literal["none", "full", "every_n", "selective_op"] = "none"
     """`full`: recompute every block; `every_n`: every N-th block; `selective_op`: keep matmul and attention
     outputs, recompute the cheap ops. Always non-reentrant; NSA's selected block indices are always saved."""
-    every_n: int = 2
+    every_n: int = field(default=2, metadata={"gt": 0})
     """N for `every_n`."""
 
 
@@ -155,7 +193,7 @@ class Float8Config:
     """Train linear layers in float8 through torchao (needs a GPU of SM89 or newer)."""
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao float8 scaling recipe."""
-    min_features: int = 1024
+    min_features: int = field(default=1024, metadata={"ge": 0})
     """Linears whose in or out features are below this stay in high precision (too small to gain)."""
 
 
@@ -163,27 +201,30 @@ class Float8Config:
 class CheckpointConfig:
     enable: bool = True
     """Write checkpoints (torch.distributed.checkpoint) into `<run_dir>/checkpoints`."""
-    interval: int = 100
+    interval: int = field(default=100, metadata={"gt": 0})
     """Steps between checkpoints; one is also written at the end."""
-    keep: int = 3
+    keep: int = field(default=3, metadata={"ge": 0})
     """Checkpoints kept; older ones are deleted once a newer one is complete (0 keeps all)."""
     resume: bool = True
     """Resume from the latest complete checkpoint in the run directory if there is one."""
     load_path: str = ""
     """Resume from this checkpoint directory instead (weights, optimizer, schedule, data and RNG state)."""
+    strict_resume: bool = False
+    """Every checkpoint is verified (file sizes, sha256) before it is loaded. When the latest one is damaged: false
+    warns in one line and resumes from the newest one that verifies; true refuses to start (exit status 2)."""
     export_weights: bool = True
     """At the end, also write the model weights alone as one file `<run_dir>/model.pt`."""
 
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = 10
+    log_freq: int = field(default=10, metadata={"gt": 0})
     """Console line and tensorboard scalars every this many steps."""
     tensorboard: bool = True
     """Write tensorboard events to `<run_dir>/tb`."""
-    log_rank: int = 0
+    log_rank: int = field(default=0, metadata={"ge": 0})
     """Rank whose console lines are printed (run.sh's LOG_RANK filters torchrun's output too)."""
-    nsa_stats_freq: int = 50
+    nsa_stats_freq: int = field(default=50, metadata={"ge": 0})
     """NSA health telemetry to tensorboard every this many steps (0: never; dense models have none): per layer,
     tags `nsa/<stat>/layer<i>` for the gate means (`gate_cmp`, `gate_slc`, `gate_win`), the share of selected
     blocks that are forced (`forced_share`), the selected blocks' mean and max distance from the query in
@@ -196,9 +237,9 @@ class MetricsConfig:
 class ProfilingConfig:
     enable: bool = False
     """Record a torch.profiler trace of steps start_step .. start_step+num_steps-1 into `<run_dir>/profile`."""
-    start_step: int = 5
+    start_step: int = field(default=5, metadata={"gt": 0})
     """First profiled step."""
-    num_steps: int = 3
+    num_steps: int = field(default=3, metadata={"gt": 0})
     """Profiled steps."""
 
 
@@ -206,119 +247,73 @@ class ProfilingConfig:
 class DebugConfig:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic cuDNN/cuBLAS settings."""
-    hang_timeout_s: float = 1800.0
+    hang_timeout_s: float = field(default=1800.0, metadata={"ge": 0, "le": MAX_SECONDS})
     """Exit (status 3) with every thread's stack in `<run_dir>/hang/rank<R>.txt` when no step completes for this
-    many seconds; long enough for compilation and a checkpoint save. 0 disables the watchdog."""
-    init_timeout_s: float = 1800.0
-    """Timeout of process-group setup and of every collective until the first step completes: that step includes
-    compilation and checkpoint loading, which ranks finish at different times."""
-    collective_timeout_s: float = 600.0
+    many seconds after the first one (which gets `debug.init_timeout_s`); long enough for a checkpoint save and the
+    first evaluation's compilation. 0 disables the watchdog."""
+    init_timeout_s: float = field(default=1800.0, metadata={"gt": 0, "le": MAX_SECONDS})
+    """Timeout of process-group setup and of every collective until the first step completes, and the hang
+    watchdog's allowance for that step: it includes compilation and checkpoint loading, which ranks finish at
+    different times."""
+    collective_timeout_s: float = field(default=600.0, metadata={"gt": 0, "le": MAX_SECONDS})
     """Timeout of every collective after the first step: when a rank dies or stalls, the others exit within this
     long (status 5, one line; on NCCL torch aborts them and dumps `<run_dir>/flight_recorder/rank<R>`)."""
     memory_snapshot: bool = False
     """Record the CUDA allocator's history (slows training) and dump it into `<run_dir>/memory` for
     https://pytorch.org/memory_viz: `rank<R>_step<N>.pickle` after step `debug.memory_snapshot_step`, and
     `rank<R>_oom.pickle` on out-of-memory. Needs CUDA."""
-    memory_snapshot_step: int = 3
+    memory_snapshot_step: int = field(default=3, metadata={"ge": 0})
     """Step after which the memory snapshot is dumped (0: only on out-of-memory)."""
-    fault_rank: int = -1
+    fault_rank: int = field(default=-1, metadata={"ge": -1})
     """Testing only: the rank that `debug.sleep_at_step` and `debug.die_at_step` hit (-1: every rank)."""
-    die_at_step: int = 0
+    die_at_step: int = field(default=0, metadata={"ge": 0})
     """Testing only: the process kills itself (SIGKILL) in this step (0: never), to exercise how the others end."""
-    sleep_at_step: int = 0
+    sleep_at_step: int = field(default=0, metadata={"ge": 0})
     """Testing only: sleep `debug.sleep_s` seconds in this step (0: never), to exercise the hang watchdog."""
-    sleep_s: float = 0.0
+    sleep_s: float = field(default=0.0, metadata={"ge": 0, "le": MAX_SECONDS})
     """Testing only: how long step `debug.sleep_at_step` sleeps."""
-    nan_at_step: int = 0
+    nan_at_step: int = field(default=0, metadata={"ge": 0})
     """Testing only: make this step's loss NaN (0: never), to exercise the non-finite step guard."""
-    nan_steps: int = 1
+    nan_steps: int = field(default=1, metadata={"gt": 0})
     """Testing only: how many consecutive steps from `debug.nan_at_step` get a NaN loss."""
 
 
 @dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
+    """Where the run lives: checkpoints, tensorboard events, the resolved config."""
     model: ModelArgs = field(default_factory=lambda: get_flavor("debug"))  # what load_config([]) resolves to
+    """The model (`nsa_models.ModelArgs`): a named flavor, and any of its keys changed."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training and evaluation text, its tokenizer and the sequence length."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Steps, batch size, seed, device and precision."""
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    """Long-context evaluation: passkey retrieval at several lengths and depths."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW."""
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    """Warmup, stable, decay (WSD) learning-rate schedule."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """Data parallelism over several processes: DDP, FSDP2 or HSDP."""
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    """Recompute activations in backward to save memory."""
     compile: CompileConfig = field(default_factory=CompileConfig)
+    """torch.compile of the model and the loss."""
     float8: Float8Config = field(default_factory=Float8Config)
+    """Float8 linear layers through torchao."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving, resuming and exporting the weights."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Console lines, tensorboard scalars and NSA telemetry."""
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """A torch.profiler trace of a few steps."""
     debug: DebugConfig = field(default_factory=DebugConfig)
+    """Determinism, timeouts, memory snapshots and fault injection for tests."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Loading: recipe TOML + command-line overrides -> Config, validated.
-
-# One rule per key: (what must hold, test). Checked before the cross-field rules and ModelArgs.validate().
-_POSITIVE = ("must be > 0", lambda v: v > 0)
-_NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
-_OPEN_FRACTION = ("must be between 0 and 1, exclusive", lambda v: 0 < v < 1)
-_FRACTION = ("must be between 0 and 1", lambda v: 0 <= v <= 1)
-_BETA = ("must be in [0, 1)", lambda v: 0 <= v < 1)
-_RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.eval_fraction": _OPEN_FRACTION,
-    "data.seq_len": _POSITIVE,
-    "training.steps": _POSITIVE,
-    "training.global_batch_tokens": _POSITIVE,
-    "training.micro_batch_size": _POSITIVE,
-    "training.max_grad_norm": _NON_NEGATIVE,
-    "training.seed": _NON_NEGATIVE,
-    "training.eval_interval": _NON_NEGATIVE,
-    "training.eval_batches": _POSITIVE,
-    "training.max_skipped_steps": _POSITIVE,
-    "optimizer.lr": _POSITIVE,
-    "optimizer.beta1": _BETA,
-    "optimizer.beta2": _BETA,
-    "optimizer.eps": _POSITIVE,
-    "optimizer.weight_decay": _NON_NEGATIVE,
-    "lr_scheduler.warmup_steps": _NON_NEGATIVE,
-    "lr_scheduler.decay_ratio": _FRACTION,
-    "lr_scheduler.min_lr_ratio": _FRACTION,
-    "parallelism.dp_replicate": _POSITIVE,
-    "parallelism.ddp_bucket_cap_mb": _POSITIVE,
-    "activation_checkpoint.every_n": _POSITIVE,
-    "float8.min_features": _NON_NEGATIVE,
-    "checkpoint.interval": _POSITIVE,
-    "checkpoint.keep": _NON_NEGATIVE,
-    "metrics.log_freq": _POSITIVE,
-    "metrics.log_rank": _NON_NEGATIVE,
-    "metrics.nsa_stats_freq": _NON_NEGATIVE,
-    "profiling.start_step": _POSITIVE,
-    "profiling.num_steps": _POSITIVE,
-    "debug.hang_timeout_s": _NON_NEGATIVE,
-    "debug.init_timeout_s": _POSITIVE,
-    "debug.collective_timeout_s": _POSITIVE,
-    "debug.memory_snapshot_step": _NON_NEGATIVE,
-    "debug.fault_rank": ("must be >= -1", lambda v: v >= -1),
-    "debug.die_at_step": _NON_NEGATIVE,
-    "debug.sleep_at_step": _NON_NEGATIVE,
-    "debug.sleep_s": _NON_NEGATIVE,
-    "debug.nan_at_step": _NON_NEGATIVE,
-    "debug.nan_steps": _POSITIVE,
-    "model.dim": _POSITIVE,
-    "model.n_layers": _POSITIVE,
-    "model.n_heads": _POSITIVE,
-    "model.n_kv_heads": _POSITIVE,
-    "model.head_dim": _POSITIVE,
-    "model.vocab_size": _POSITIVE,
-    "model.ffn_hidden": _NON_NEGATIVE,
-    "model.norm_eps": _POSITIVE,
-    "model.rope_theta": _POSITIVE,
-    "model.max_seq_len": _POSITIVE,
-    "model.init_std": _POSITIVE,
-    "model.nsa.cmp_block_size": _POSITIVE,
-    "model.nsa.cmp_stride": _POSITIVE,
-    "model.nsa.sel_block_size": _POSITIVE,
-    "model.nsa.cmp_mlp_hidden": _NON_NEGATIVE,
-}
-
 
 def load_config(argv: list[str]) -> tuple[Config, bool]:
     """Resolve `[RECIPE.toml] [--print-config] [--section.key value | --section.key=value ...]`.
@@ -341,46 +336,93 @@ def load_config(argv: list[str]) -> tuple[Config, bool]:
         *sections, name = key.split(".")
         setattr(functools.reduce(getattr, sections, config), name, value)
     validate(config)
+    _fit_warmup(config)
     return config, print_config
 
 
 def validate(config: Config) -> None:
-    """Raise ConfigError for the first value or combination that cannot run."""
-    flat = config_to_dict(config)
-    for key, (rule, holds) in _RANGES.items():
-        if not holds(flat[key]):
-            raise ConfigError(f"{key} = {_show(flat[key])}: {rule}")
+    """Raise ConfigError for the first value or combination that cannot run: every field against its type and
+    bounds (section by section, as declared), then the rules between sections."""
+    _check_section("", config)
+    try:
+        config.model.validate()  # the model section's rules between its own keys (the model package's ValueError)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_combinations(config)
 
-    t, data = config.training, config.data
-    if config.lr_scheduler.warmup_steps >= t.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps = {config.lr_scheduler.warmup_steps}: must be < "
-                          f"training.steps ({t.steps}); lower it or train longer")
-    if data.seq_len > config.model.max_seq_len:
-        raise ConfigError(f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}: "
+
+def _check_section(prefix: str, section: Any) -> None:
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            _check_section(f"{prefix}{f.name}.", value)
+        else:
+            _check_field(prefix + f.name, f, value)
+
+
+# Field metadata bounds, named as annotated-types / pydantic name them.
+_BOUNDS = {
+    "gt": (">", lambda v, b: v > b),
+    "ge": (">=", lambda v, b: v >= b),
+    "lt": ("<", lambda v, b: v < b),
+    "le": ("<=", lambda v, b: v <= b),
+    "multiple_of": ("a multiple of", lambda v, b: v % b == 0),
+}
+
+
+def _check_field(key: str, f: Field, value: Any) -> None:
+    """One value against what its type can carry and the bounds in its field's metadata."""
+    if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:  # also NaN
+        raise ConfigError(f"{key} = {value!r}: must be a finite number of at most {FLOAT32_MAX:.3g} in magnitude "
+                          "(float32's range)")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        raise ConfigError(f"{key} = {value}: must fit in 64 bits (-2**63 .. 2**63 - 1)")
+    if isinstance(value, str):
+        if "\0" in value:
+            raise ConfigError(f"{key} = {value!r}: must not contain a NUL character")
+        if not value.strip() and f.default != "":  # a key whose default is "" gives "" a meaning (none)
+            raise ConfigError(f"{key} = {value!r}: must not be empty (default {f.default!r})")
+    if any(not _BOUNDS[name][1](value, limit) for name, limit in f.metadata.items()):
+        raise ConfigError(f"{key} = {_show(value)}: must be {_rule(f.metadata)}")
+
+
+def _rule(bounds: Mapping[str, float]) -> str:
+    return " and ".join(f"{_BOUNDS[name][0]} {limit:g}" for name, limit in bounds.items())
+
+
+def _check_combinations(config: Config) -> None:
+    """The rules between keys of different sections."""
+    data, model = config.data, config.model
+    if data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}: "
                           "lower data.seq_len or raise model.max_seq_len")
-    micro_batch_tokens = t.micro_batch_size * data.seq_len
-    if t.global_batch_tokens % micro_batch_tokens:
-        raise ConfigError(f"training.global_batch_tokens = {t.global_batch_tokens}: must be a multiple of "
-                          f"training.micro_batch_size * data.seq_len = {micro_batch_tokens} (times the "
-                          "data-parallel size)")
     if config.parallelism.dp_replicate > 1 and config.parallelism.data_parallel != "hsdp":
         raise ConfigError(f"parallelism.dp_replicate = {config.parallelism.dp_replicate} needs "
                           f"parallelism.data_parallel = 'hsdp' (it is {config.parallelism.data_parallel!r}); "
                           "set it or use dp_replicate = 1")
-    if config.float8.enable and t.device == "cpu":
-        raise ConfigError("float8.enable = true needs a GPU of SM89 or newer: set training.device = 'cuda' "
-                          "or float8.enable = false")
-    if config.debug.deterministic and config.model.attention == "nsa" and config.model.nsa.float_atomics:
+    passkey = config.passkey
+    if passkey.enable and passkey.min_length > data.seq_len:
+        raise ConfigError(f"passkey.min_length = {passkey.min_length} exceeds data.seq_len = {data.seq_len}: "
+                          "lower passkey.min_length")
+    if passkey.enable and not config.training.eval_interval:
+        raise ConfigError("passkey.enable = true scores at every evaluation, but training.eval_interval = 0: "
+                          "set training.eval_interval > 0")
+    if config.debug.deterministic and model.attention == "nsa" and model.nsa.float_atomics:
         raise ConfigError("model.nsa.float_atomics = true contradicts debug.deterministic = true (float atomics "
                           "make the backward non-repeatable): set one of them to false")
-    try:
-        config.model.validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+
+
+def _fit_warmup(config: Config) -> None:
+    """A warmup as long as the run (a short trial run of a long recipe) is shortened, with a one-line warning."""
+    steps, schedule = config.training.steps, config.lr_scheduler
+    if schedule.warmup_steps >= steps:
+        sys.stderr.write(f"warning: lr_scheduler.warmup_steps = {schedule.warmup_steps} is not below training.steps "
+                         f"= {steps}: shortened to {steps - 1}\n")
+        schedule.warmup_steps = steps - 1
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """Every value as a flat `{"section.key": value}` dict (tensorboard hparams, validation)."""
+    """Every value as a flat `{"section.key": value}` dict (tensorboard hparams)."""
     flat = {}
     for f in fields(config):
         value = getattr(config, f.name)
@@ -458,6 +500,9 @@ def _read_recipe(path: str) -> dict[str, Any]:
         raise ConfigError(f"recipe {path!r} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"recipe {path!r} is not valid TOML: {e}; fix that line") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 by definition
+        raise ConfigError(f"recipe {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+                          "save it as UTF-8") from None
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -541,4 +586,78 @@ def _coerce(key: str, value: Any, field_type: Any) -> Any:
           str: isinstance(value, str)}[field_type]
     if not ok:
         raise ConfigError(f"{key} = {_show(value)}: expected {expected}")
-    return float(value) if field_type is float else value
+    if field_type is float and isinstance(value, int):  # an int beyond every float is infinite: _check_field says so
+        return float(value) if abs(value) <= sys.float_info.max else math.inf if value > 0 else -math.inf
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help: generated from the dataclasses, their field metadata and their attribute docstrings.
+
+USAGE = """usage: train.py [RECIPE.toml] [--SECTION.KEY VALUE ...] [--print-config] [--help [SECTION]]
+
+Trains a language model from a TOML recipe (run.sh: recipes/debug.toml unless one is named). Each value comes from
+the command line (--SECTION.KEY VALUE or --SECTION.KEY=VALUE), else the recipe, else model.flavor (for model keys),
+else its default. --print-config prints the resolved config and exits."""
+
+
+def help_topic(argv: list[str]) -> str | None:
+    """What `--help [TOPIC]`, `-h [TOPIC]` or `--help=TOPIC` in `argv` asks for: '' the overview, else a section or
+    key; None when help is not asked for."""
+    for i, arg in enumerate(argv):
+        flag, has_topic, topic = arg.partition("=")
+        if flag in ("--help", "-h"):
+            following = argv[i + 1] if i + 1 < len(argv) else "-"
+            if not has_topic and not following.startswith("-") and not following.endswith(".toml"):
+                topic = following
+            return topic
+    return None
+
+
+def help_text(topic: str = "") -> str:
+    """The overview (every section, one line each) or, for a section or key, its keys: type, default, bounds, doc."""
+    if not topic:
+        sections = [key for key in _all_keys() if is_dataclass(_field_type(key))]
+        width = max(map(len, sections)) + 2
+        lines = [f"  {key:<{width}}{_field_doc(key).split('. ')[0].rstrip('.')}" for key in sections]
+        return "\n".join([USAGE, "", "sections (--help SECTION lists its keys, types, defaults and docs):", *lines, ""])
+    field_type = _field_type(topic)  # ConfigError names an unknown topic and the closest key
+    section, names = (topic, list(_hints(field_type))) if is_dataclass(field_type) else topic.rpartition(".")[::2]
+    names = [names] if isinstance(names, str) else names
+    defaults = functools.reduce(getattr, section.split("."), Config())
+    lines = [f"[{section}]  {_field_doc(section)}"]
+    if section.split(".")[0] == "model":
+        lines += textwrap.wrap(f"(defaults of flavor 'debug'; model.flavor, one of {', '.join(FLAVORS)}, fills every "
+                               "key the recipe leaves out)", 116, initial_indent="  ", subsequent_indent="  ")
+    for name in names:
+        value, key = getattr(defaults, name), f"{section}.{name}"
+        if is_dataclass(value):
+            lines.append(f"  {name}: section [{key}], see --help {key}")
+            continue
+        bounds = next(f for f in fields(defaults) if f.name == name).metadata
+        lines.append(f"  {name}: {_type_name(_hints(type(defaults))[name])} = {_toml_value(value)}"
+                     + (f"  ({_rule(bounds)})" if bounds else ""))
+        lines += textwrap.wrap(_field_doc(key), 116, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(field_type: Any) -> str:
+    if get_origin(field_type) is Literal:
+        return " | ".join(map(_toml_value, get_args(field_type)))
+    return field_type.__name__
+
+
+def _field_doc(key: str) -> str:
+    """The docstring of the field at a section or key path."""
+    *parents, name = key.split(".")
+    parent = _field_type(".".join(parents)) if parents else Config
+    return _attribute_docs(parent).get(name, "")
+
+
+@functools.cache
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (its documentation), read once from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: " ".join(doc.value.value.split()) for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
