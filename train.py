@@ -2,11 +2,13 @@
 
     ./run.sh recipes/debug.toml --training.steps 100          # via torchrun (any number of processes)
     python train.py recipes/debug.toml --print-config          # resolved config, nothing else
+    python train.py --help [SECTION]                            # the sections, or a section's keys and docs
 
 The recipe is parsed before torch is imported, so a bad key fails in a fraction of a second with one line.
 Exit status: 0 done; 2 bad input; 3 a rank stalled (stacks in <run_dir>/hang); 4 too many non-finite steps in a
-row; 5 a collective failed (another rank died or stalled); 6 out of memory; 128 + signal number (143, 130) when
-SIGTERM/SIGINT stopped the run after writing a checkpoint.
+row; 5 a collective failed (another rank died or stalled); 6 out of memory; 7 a checkpoint could not be written
+(disk full or not writable); 128 + signal number (143, 130) when SIGTERM/SIGINT stopped the run after writing a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ from __future__ import annotations
 import os
 import sys
 
-from nsa_training.config import ConfigError, config_to_toml, load_config
-from nsa_training.watchdog import RunFailed
+from nsa_training.config import ConfigError, config_to_toml, help_text, help_topic, load_config
+from nsa_training.watchdog import RunFailed, exit_with_launcher, report_error
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_with_launcher()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        config, print_only = load_config(sys.argv[1:] if argv is None else argv)
+        topic = help_topic(argv)
+        if topic is not None:
+            print(help_text(topic), end="")
+            return 0
+        config, print_only = load_config(argv)
         if print_only:
             print(config_to_toml(config), end="")
             return 0
@@ -28,10 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return Trainer(config).train()
     except (ConfigError, RunFailed) as e:
-        # One write of the whole line: under torchrun every rank reports, and print()'s separate write of the
-        # newline lets two ranks' lines run together in the shared log.
-        sys.stderr.write(f"error: {e}\n")
-        return 2 if isinstance(e, ConfigError) else e.exit_code
+        code = 2 if isinstance(e, ConfigError) else e.exit_code
+        report_error(str(e), code)
+        return code
 
 
 def exit_now(code: int) -> None:

@@ -1,9 +1,12 @@
 """Never hang silently, never lose work: a hang watchdog, a stop-on-signal flag, one-line reports of a dead peer or
-of out-of-memory (with an allocator snapshot), and the NCCL flight recorder's settings."""
+of out-of-memory (with an allocator snapshot), where the launcher finds them, workers that die with the launcher,
+and the NCCL flight recorder's settings."""
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -17,21 +20,60 @@ HANG_EXIT_CODE = 3
 DIVERGED_EXIT_CODE = 4
 COLLECTIVE_EXIT_CODE = 5
 OOM_EXIT_CODE = 6
+LAUNCHER_PID = "NSA_LAUNCHER_PID"  # set by nsa_training/launch.py for its workers
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def report_error(message: str, exit_code: int) -> None:
+    """Report the failure that ends this process with `exit_code`: one `error: <message>` line.
+
+    Under torchrun both also go into the worker's error file (TORCHELASTIC_ERROR_FILE, which torch's `@record`
+    writes and torchrun's failure report reads); under nsa_training/launch.py only there: the launcher prints the
+    one line of the rank whose failure caused the others'.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time()), "exitcode": exit_code}, f)
+    if not (error_file and LAUNCHER_PID in os.environ):
+        # One write of the whole line: ranks share a log, and print()'s separate newline lets lines run together.
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+
+
+def exit_with_launcher() -> None:
+    """Under nsa_training/launch.py, make the kernel kill this worker (SIGKILL) the moment the launcher ends.
+
+    torchrun starts each worker in a session of its own, so a signal to the launcher's process group misses the
+    workers, and a launcher killed by SIGKILL forwards nothing: they would go on training, and writing checkpoints,
+    beside a restart of the run. SIGKILL, not SIGTERM: a launcher that died without forwarding a stop had no time
+    to wait for a checkpoint either. Linux only (PR_SET_PDEATHSIG); call it first thing in the worker.
+    """
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(launcher):  # the launcher ended before the call above armed the signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class HangWatchdog:
-    """Kills this rank when no training step completes for `timeout_s` seconds, leaving every thread's stack.
+    """Kills this rank when no training step completes in time, leaving every thread's stack.
 
     A stalled collective (a dead peer, a NCCL deadlock) otherwise blocks forever without a word. A daemon thread
-    checks the time since the last `beat(step)`; past the timeout it writes all Python stacks to
-    `<run_dir>/hang/rank<R>.txt`, prints one line and exits with status 3. The clock starts at `__enter__`
-    (training start), so the first interval also covers the first batch and compilation. 0 disables it.
+    checks the time since the last `beat(step)`; past the allowance it writes all Python stacks to
+    `<run_dir>/hang/rank<R>.txt`, reports one line and exits with status 3. The clock starts at `__enter__`
+    (training start). The first step (compilation, warm-up, the first checkpoint) gets `init_timeout_s`, every
+    later one `timeout_s`, as TorchTitan separates its init and train timeouts: a cold compile may take longer than
+    a stalled step should. `timeout_s = 0` disables the watchdog.
     """
 
-    def __init__(self, timeout_s: float, run_dir: str | Path, rank: int) -> None:
-        self.timeout_s, self.rank = timeout_s, rank
+    def __init__(self, init_timeout_s: float, timeout_s: float, run_dir: str | Path, rank: int) -> None:
+        self.init_timeout_s, self.timeout_s, self.rank = init_timeout_s, timeout_s, rank
         self.stack_file = Path(run_dir) / "hang" / f"rank{rank}.txt"
-        self._last_beat, self._last_step = time.monotonic(), 0
+        self._last_beat, self._last_step = time.monotonic(), None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -49,18 +91,22 @@ class HangWatchdog:
         self._last_beat, self._last_step = time.monotonic(), step
 
     def _watch(self) -> None:
-        poll_s = min(self.timeout_s / 10, 30.0)  # fires at most 10% (or 30 s) late
-        while not self._stopped.wait(poll_s):
+        poll_s = min(self.init_timeout_s, self.timeout_s) / 10  # fires at most 10% late
+        while not self._stopped.wait(min(poll_s, 30.0)):
             idle = time.monotonic() - self._last_beat
-            if idle > self.timeout_s:
+            if idle > (self.init_timeout_s if self._last_step is None else self.timeout_s):
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
         self.stack_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.stack_file, "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        print(f"error: rank {self.rank} stalled: no step completed for {idle:.0f} s after step {self._last_step}; "
-              f"stacks in {self.stack_file}", file=sys.stderr, flush=True)
+        if self._last_step is None:
+            what = f"the first step did not complete in {idle:.0f} s (debug.init_timeout_s = {self.init_timeout_s:g})"
+        else:
+            what = (f"no step completed for {idle:.0f} s after step {self._last_step} "
+                    f"(debug.hang_timeout_s = {self.timeout_s:g})")
+        report_error(f"rank {self.rank} stalled: {what}; stacks in {self.stack_file}", HANG_EXIT_CODE)
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)  # the main thread is stuck: only a hard exit ends the process
 
@@ -169,7 +215,9 @@ class ReportFailures:
 
         where = f"rank {self.rank}: step {self._last_step + 1}"
         cause = str(error).strip().split("\n")[0] if error is not None else ""
-        if isinstance(error, torch.OutOfMemoryError):
+        # CPU: torch's allocator raises a plain RuntimeError (where the kernel lets malloc fail at all)
+        cpu_oom = isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+        if isinstance(error, torch.OutOfMemoryError) or cpu_oom:
             advice = "lower training.micro_batch_size or set activation_checkpoint.mode = 'full'"
             if self.memory is not None:
                 snapshot = f"allocator snapshot {self.memory.dump('oom')} (open it at https://pytorch.org/memory_viz)"

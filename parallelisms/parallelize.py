@@ -24,7 +24,7 @@ def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, c
         raise ConfigError(f"parallelism.dist_backend = 'nccl' needs CUDA (device is {device_type}): "
                           "set it to 'gloo' or 'auto'")
     if world_size > 1:
-        _check_data_parallel(parallelism, compile, world_size)
+        check_data_parallel(parallelism, compile, world_size)
     if compile.enable and compile.mode in CUDA_GRAPH_MODES and device_type != "cuda":
         # Inductor would quietly skip the CUDA graphs on another device: say so instead.
         raise ConfigError(f"compile.mode = '{compile.mode}' replays CUDA graphs, which need CUDA (device is "
@@ -42,7 +42,8 @@ def _sm(capability: tuple[int, int] | None) -> str:
     return "?" if capability is None else f"{capability[0]}{capability[1]}"
 
 
-def _check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig, world_size: int) -> None:
+def check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig, world_size: int) -> None:
+    """The plan rules that depend on the process count (`world_size` > 1): the launcher checks them before start."""
     replicas = parallelism.dp_replicate
     if parallelism.data_parallel == "hsdp":
         if world_size % replicas:
