@@ -6,33 +6,129 @@
 Each GPU count N is one bench/compile_sweep.py sweep over the plans (parallelism.data_parallel = PLAN), every cell
 launched as `PYTHON -m torch.distributed.run --standalone --nproc-per-node N train.py RECIPE ...` in a fresh
 process group. Every rank keeps the recipe's micro-batch (or --set's) and --grad-accum micro-batches per step, so
-training.global_batch_tokens = micro_batch_size * seq_len * N * grad_accum grows with N. Data is synthetic unless
---set data.source=... says otherwise. Writes OUT/scaling.md and OUT/scaling.csv, one row per plan and N, on top
-of each sweep's own files in OUT/<N>gpu/ (logs, tensorboard events: `tensorboard --logdir OUT`).
+training.global_batch_tokens = micro_batch_size * seq_len * N * grad_accum grows with N. Data is synthetic
+(`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
+otherwise. With one process train.py ignores the plan, so 1 GPU is one cell (run with the first plan) whose row
+every plan shares: the unwrapped model, the baseline each plan's communication and sharding overhead is measured
+against. Writes OUT/scaling.md and OUT/scaling.csv, one row per plan and N, and OUT/profile.md, the profiled
+steps' breakdown, on top of each sweep's own files in OUT/<N>gpu/ (logs, tensorboard events: `tensorboard
+--logdir OUT`; torch.profiler traces in <cell>/profile/, for https://ui.perfetto.dev).
 
 Columns: tokens_per_s = the whole job's median tokens/s after --warmup; tokens_per_s_per_gpu = that / N;
 efficiency = per-GPU tokens/s over the same plan's at its fewest GPUs (1.0: perfect weak scaling); peak_mem_gib
-(max allocated on rank 0, peak RSS on CPU), mfu, compile_s, graph_breaks, recompiles, final_loss, status and
-exit_code as compile_sweep reads them. With one process train.py ignores the plan: the 1-GPU rows are the
-unwrapped model, the baseline each plan's communication and sharding overhead is measured against.
+per GPU (max allocated on rank 0; peak RSS on CPU), mfu, compile_s, graph_breaks, recompiles, final_loss, status
+and exit_code as compile_sweep reads them.
+
+Communication (CUDA only): each cell records a torch.profiler trace of its last --profile-steps steps (late, so
+that the profiler's own cost moves the steady median little) and `comm_breakdown` reads every rank's trace. On
+the GPU timeline NCCL kernels (names `nccl...`) are communication and every other kernel is compute;
+exposed_comm_ms = per step, the time some NCCL kernel runs while no compute kernel does (the union of the NCCL
+intervals minus its overlap with the union of the compute intervals), on the rank where it is largest: what a
+perfectly overlapped plan would not pay; comm_ms = the NCCL union per step. An NCCL kernel runs from its launch
+until the peers' matching kernels have joined and the data has moved, so a rank that waits for a slower one (its
+host launching later) counts that wait as communication; the profiler slows the hosts, so the profiled steps'
+exposed time is an upper bound for the steady steps'. Overlapped communication still slows compute (NCCL takes SMs
+and memory bandwidth): that shows as lost efficiency with little exposed time.
+profile.md adds, per step, the wall time, the GPU's compute time, its idle time (no kernel running: the host
+launching too slowly, or waiting) and the kernel time of all-gathers, reduce-scatters and all-reduces.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import get_args, get_type_hints
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_sweep import REPO, ConfigError, add_sweep_arguments, parse_override, save_table, sweep_from_args  # noqa: E402
-
-from nsa_training.config import load_config  # noqa: E402  (compile_sweep put the repo on sys.path)
+from nsa_training.config import ConfigError, ParallelismConfig, load_config
+from nsa_training.sweep import (
+    REPO,
+    SYNTHETIC_DATA,
+    add_sweep_arguments,
+    machine,
+    parse_override,
+    save_table,
+    sweep_from_args,
+)
 
 COLUMNS = ["plan", "gpus", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",
-           "peak_mem_gib", "mfu", "compile_s", "graph_breaks", "recompiles", "final_loss", "status", "exit_code",
-           "cell", "error"]
+           "peak_mem_gib", "exposed_comm_ms", "comm_ms", "mfu", "compile_s", "graph_breaks", "recompiles",
+           "final_loss", "status", "exit_code", "cell", "error"]
+PROFILE_COLUMNS = ["plan", "gpus", "step_ms", "compute_ms", "gpu_idle_ms", "comm_ms", "exposed_comm_ms",
+                   "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "profiled_steps", "cell"]
+COLLECTIVES = {"all_gather_ms": "allgather", "reduce_scatter_ms": "reducescatter", "all_reduce_ms": "allreduce"}
+PLANS = get_args(get_type_hints(ParallelismConfig)["data_parallel"])
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering the same time as `intervals` ((start, end) pairs)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both of two disjoint sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def comm_breakdown(trace: dict) -> dict[str, float] | None:
+    """Per-step milliseconds of one rank's torch.profiler trace (chrome JSON): see the module docstring. None when
+    the trace holds no profiler step or no GPU kernel (a CPU run)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    # The host's step spans; torch also marks each step on the GPU timeline (category gpu_user_annotation).
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") != "gpu_user_annotation"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not steps or not kernels:
+        return None
+
+    def is_comm(event: dict) -> bool:
+        return event["name"].lower().startswith("nccl")
+
+    def spans(selected: list[dict]) -> list[tuple[float, float]]:
+        return _union([(e["ts"], e["ts"] + e["dur"]) for e in selected])
+
+    comm = [e for e in kernels if is_comm(e)]
+    comm_spans, compute_spans = spans(comm), spans([e for e in kernels if not is_comm(e)])
+    n, ms = len(steps), 1e-3  # per step; trace times are microseconds
+    step_time = sum(e["dur"] for e in steps)
+    result = {
+        "step_ms": step_time / n * ms,
+        "compute_ms": _length(compute_spans) / n * ms,
+        "gpu_idle_ms": (step_time - _length(spans(kernels))) / n * ms,
+        "comm_ms": _length(comm_spans) / n * ms,
+        "exposed_comm_ms": (_length(comm_spans) - _overlap(comm_spans, compute_spans)) / n * ms,
+        "profiled_steps": n}
+    for column, kind in COLLECTIVES.items():
+        result[column] = sum(e["dur"] for e in comm if kind in e["name"].lower().replace("_", "")) / n * ms
+    return result
+
+
+def read_profiles(run_dir: Path) -> dict[str, float] | None:
+    """comm_breakdown of every rank's trace in `run_dir`/profile, taken from the rank with the most exposed
+    communication (the one the others wait for at the next collective); None without GPU traces."""
+    ranks = [comm_breakdown(json.loads(path.read_text())) for path in sorted((run_dir / "profile").glob("*.json"))]
+    ranks = [r for r in ranks if r is not None]
+    return max(ranks, key=lambda r: r["exposed_comm_ms"]) if ranks else None
 
 
 def tokens_per_rank(recipe: str, overrides: dict[str, str], grad_accum: int) -> int:
@@ -71,6 +167,12 @@ def scaling(args: argparse.Namespace) -> list[dict]:
             raise ConfigError(f"{name} {' '.join(map(str, values))}: repeated value; list each once")
     if min(args.gpus) < 1 or args.grad_accum < 1:
         raise ConfigError(f"--gpus {' '.join(map(str, args.gpus))} --grad-accum {args.grad_accum}: must be >= 1")
+    unknown = [plan for plan in args.plans if plan not in PLANS]
+    if unknown:
+        raise ConfigError(f"--plans {' '.join(unknown)}: expected some of {', '.join(PLANS)}")
+    if not 0 <= args.profile_steps < args.steps - args.warmup:
+        raise ConfigError(f"--profile-steps {args.profile_steps}: must be >= 0 and leave unprofiled steady steps "
+                          f"(fewer than --steps {args.steps} - --warmup {args.warmup})")
     if args.launcher:
         raise ConfigError("--launcher: scaling.py launches torchrun itself; choose its interpreter with --python")
     if args.devices:
@@ -80,24 +182,37 @@ def scaling(args: argparse.Namespace) -> list[dict]:
     out = (args.out or REPO / "runs" / "scaling" / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     out = out.resolve()
 
+    profiling = (["profiling.enable=true", f"profiling.start_step={args.steps - args.profile_steps + 1}",
+                  f"profiling.num_steps={args.profile_steps}"] if args.profile_steps else [])
     rows = []
     for gpus in args.gpus:
         print(f"== {gpus} GPU(s): {per_rank * gpus:,} tokens per step ==", flush=True)
         per_gpu_count = argparse.Namespace(**{
             **vars(args), "out": out / f"{gpus}gpu", "launcher": torchrun(args.python, gpus),
-            "set": [*args.set, f"training.global_batch_tokens={per_rank * gpus}"]})
-        plan_axis = [{"parallelism.data_parallel": plan} for plan in args.plans]
+            "set": [*profiling, *args.set, f"training.global_batch_tokens={per_rank * gpus}"]})
+        plans = args.plans[:1] if gpus == 1 else args.plans  # one process: every plan is the same cell
+        plan_axis = [{"parallelism.data_parallel": plan} for plan in plans]
         for row in sweep_from_args(per_gpu_count, args.recipe, [plan_axis]):
-            rows.append({**row, "plan": row["parallelism.data_parallel"], "gpus": gpus,
-                         "global_batch_tokens": per_rank * gpus, "cell": f"{gpus}gpu/{row['cell']}"})
+            cell = f"{gpus}gpu/{row['cell']}"
+            row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "global_batch_tokens": per_rank * gpus,
+                   "cell": cell}
+            shared_by = args.plans if gpus == 1 else [row["parallelism.data_parallel"]]
+            rows += [{**row, "plan": plan} for plan in shared_by]
     rows.sort(key=lambda row: (args.plans.index(row["plan"]), row["gpus"]))
     add_efficiency(rows)
 
     header = (f"Weak scaling of `{args.recipe}`: {per_rank:,} tokens per GPU per step, {args.steps} steps, medians "
-              f"after {args.warmup}; overrides {' '.join(args.set)}; {time.strftime('%Y-%m-%d')}.\n"
-              "efficiency: per-GPU tokens/s over the same plan's on its fewest GPUs.\n\n")
+              f"after {args.warmup}; overrides {' '.join(args.set)}; {time.strftime('%Y-%m-%d')}.\n{machine()}"
+              "efficiency: per-GPU tokens/s over the same plan's on its fewest GPUs; peak_mem_gib per GPU; "
+              f"exposed_comm_ms and comm_ms per step, from a trace of the last {args.profile_steps} steps.\n\n")
     table = save_table(out, "scaling", header, rows, COLUMNS)
-    print("\n" + table + f"\nsaved {out / 'scaling.md'} and {out / 'scaling.csv'}", flush=True)
+    profile_header = (f"Profile of the last {args.profile_steps} steps of each cell of `{args.recipe}` "
+                      "(bench/scaling.py docstring), milliseconds per step, on the rank with the most exposed "
+                      "communication.\n\n")
+    profiles = save_table(out, "profile", profile_header, [r for r in rows if r.get("step_ms", "") != ""],
+                          PROFILE_COLUMNS)
+    print("\n" + table + "\n" + profiles + f"\nsaved {out / 'scaling.md'}, {out / 'scaling.csv'} and "
+          f"{out / 'profile.md'}", flush=True)
     return rows
 
 
@@ -107,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", nargs="+", default=["ddp", "fsdp"], help="values of parallelism.data_parallel")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4], help="process counts (one GPU each)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--profile-steps", type=int, default=2,
+                        help="profile each cell's last N steps for the communication columns (0: none)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs torchrun and train.py")
     add_sweep_arguments(parser)
     args = parser.parse_args(argv)
-    args.set = ["data.source=synthetic", *args.set]  # later --set wins
+    args.set = [*SYNTHETIC_DATA, *args.set]  # later --set wins
     try:
         scaling(args)
     except ConfigError as e:

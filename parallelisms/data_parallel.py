@@ -1,12 +1,13 @@
-"""Data parallelism: the device mesh, FSDP2 / HSDP (`fully_shard`) and DDP (composable `replicate`)."""
+"""Data parallelism: the device mesh, FSDP2 / HSDP (`fully_shard`), DDP (composable `replicate`), and what each
+does between the micro-batches of one optimizer step (`prepare_micro_batch`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate
+from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from nsa_training.config import ParallelismConfig
 
@@ -49,3 +50,30 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int) -> None:
     find_unused_parameters: every parameter is used each step. Mixed precision is the trainer's bf16 autocast.
     """
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
+
+
+def prepare_micro_batch(model: nn.Module, cfg: ParallelismConfig, index: int, count: int) -> None:
+    """Set what the data-parallel wrapper communicates for micro-batch `index` of the `count` that make one
+    optimizer step; call it before that micro-batch's forward. A no-op for one micro-batch or one process.
+
+    Gradients are reduced once per step, in the last micro-batch's backward, as if the step were one big
+    micro-batch: the earlier backwards only accumulate into local gradients (DDP: `no_sync`; FSDP2: unsharded
+    fp32 gradients, no reduce-scatter). FSDP2 also keeps every block's parameters gathered from the first
+    micro-batch's forward to the last one's backward, so a step all-gathers each block once instead of twice per
+    micro-batch. Both cost the whole model's unsharded bf16 parameters and fp32 gradients on every GPU;
+    `parallelism.fsdp_accumulate_unsharded = false` gives that memory back and reduce-scatters every micro-batch
+    (HSDP's all-reduce across replicas still waits for the last).
+    """
+    if count == 1:
+        return
+    is_last = index == count - 1
+    if isinstance(model, FSDPModule):
+        if not cfg.fsdp_accumulate_unsharded:
+            model.set_requires_all_reduce(is_last)  # only HSDP all-reduces; plain FSDP ignores it
+            return
+        model.set_requires_gradient_sync(is_last)
+        # Resharding after forward would only make backward gather again what the next micro-batch keeps anyway.
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(is_last)
+    elif isinstance(model, DDP):
+        model.set_requires_gradient_sync(is_last)

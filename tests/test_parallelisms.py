@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 from nsa_models import Transformer, get_flavor  # noqa: E402
 from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig  # noqa: E402
 from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters  # noqa: E402
-from tests.conftest import needs_flash_attn_4  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches, train_losses  # noqa: E402
+from tests.helpers import needs_flash_attn_4  # noqa: E402
 
 SELECT_BLOCKS = torch.ops.nsa.select_blocks.default
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import REPO, env, event_files, scalars
+from tests.helpers import REPO, env, event_files, scalars
 
 STEPS = 6
 COMMON = ["recipes/debug.toml", "--data.source", "synthetic", "--data.seq_len", "128", "--training.steps", str(STEPS),

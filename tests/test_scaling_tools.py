@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import env
+from tests.helpers import env
 
 REPO = Path(__file__).resolve().parents[1]
 # 2 sequences of 64 tokens per rank per step of the debug model.
 TINY = ["--set", "training.device=cpu", "--set", "data.seq_len=64", "--set", "training.micro_batch_size=2", "--set",
-        "lr_scheduler.warmup_steps=1", "--steps", "4", "--warmup", "1"]
-BOGUS_PLAN_ERROR = "error: parallelism.data_parallel = 'bogus': expected one of 'ddp', 'fsdp', 'hsdp'"
+        "lr_scheduler.warmup_steps=1", "--set", "model.vocab_size=264", "--steps", "4", "--warmup", "1"]
 
 
 def run_script(path: str, *args: str) -> subprocess.CompletedProcess:
@@ -26,45 +25,79 @@ def run_script(path: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
     out = tmp_path / "scaling"
-    result = run_script("bench/scaling.py", "recipes/debug.toml", "--plans", "ddp", "bogus", "fsdp", "--gpus", "1",
-                        "2", "--out", str(out), *TINY)
+    # hsdp without dp_replicate fails at 2 ranks (train.py's check); at 1 rank every plan shares ddp's cell.
+    result = run_script("bench/scaling.py", "recipes/debug.toml", "--plans", "ddp", "hsdp", "fsdp", "--gpus", "1",
+                        "2", "--grad-accum", "2", "--out", str(out), *TINY)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(out / "scaling.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["plan"], r["gpus"], r["global_batch_tokens"]) for r in rows] == [
-        ("ddp", "1", "128"), ("ddp", "2", "256"), ("bogus", "1", "128"), ("bogus", "2", "256"), ("fsdp", "1", "128"),
-        ("fsdp", "2", "256")]
+        ("ddp", "1", "256"), ("ddp", "2", "512"), ("hsdp", "1", "256"), ("hsdp", "2", "512"), ("fsdp", "1", "256"),
+        ("fsdp", "2", "512")]
     by_cell = {(r["plan"], int(r["gpus"])): r for r in rows}
+    assert [p.name for p in (out / "1gpu").glob("parallelism.*")] == ["parallelism.data_parallel=ddp"]  # one cell
 
-    for plan in ("ddp", "fsdp"):
+    for plan in ("ddp", "hsdp", "fsdp"):
         one, two = by_cell[(plan, 1)], by_cell[(plan, 2)]
-        for gpus, row in ((1, one), (2, two)):
+        assert one["cell"] == "1gpu/parallelism.data_parallel=ddp"
+        runs = ((1, one), (2, two)) if plan != "hsdp" else ((1, one),)
+        for gpus, row in runs:
             assert row["status"] == "ok" and row["exit_code"] == "0" and row["error"] == ""
             assert float(row["tokens_per_s"]) > 0 and float(row["peak_mem_gib"]) > 0
             assert float(row["tokens_per_s_per_gpu"]) == pytest.approx(float(row["tokens_per_s"]) / gpus)
+            # No GPU kernels on CPU: the communication columns stay empty, though the last 2 steps were profiled.
+            assert row["exposed_comm_ms"] == row["comm_ms"] == ""
             run_dir = out / row["cell"]
-            assert row["cell"] == f"{gpus}gpu/parallelism.data_parallel={plan}"
+            assert len(list((run_dir / "profile").glob("rank*.json"))) == gpus
             assert f"on {gpus} rank(s), cpu" in (run_dir / "output.log").read_text()  # torchrun started N ranks
             config = (run_dir / "config.toml").read_text()
-            assert f"global_batch_tokens = {64 * 2 * gpus}\n" in config and f'data_parallel = "{plan}"' in config
-            assert 'source = "synthetic"' in config
+            assert f"global_batch_tokens = {64 * 2 * 2 * gpus}\n" in config and "start_step = 3\n" in config
+            assert f'data_parallel = "{plan if gpus == 2 else "ddp"}"' in config and 'source = "synthetic"' in config
         assert float(one["efficiency"]) == 1.0
-        assert float(two["efficiency"]) == pytest.approx(float(two["tokens_per_s_per_gpu"]) /
-                                                         float(one["tokens_per_s_per_gpu"]))
-    # The same batch and math per GPU count: the plans differ only in how ranks hold the model.
-    for gpus in (1, 2):
-        assert float(by_cell[("ddp", gpus)]["final_loss"]) == pytest.approx(
-            float(by_cell[("fsdp", gpus)]["final_loss"]), rel=1e-4)
-        bogus = by_cell[("bogus", gpus)]
-        assert bogus["status"] == "failed" and bogus["exit_code"] not in ("", "0")
-        assert bogus["error"] == BOGUS_PLAN_ERROR and bogus["tokens_per_s"] == bogus["efficiency"] == ""
+        if plan != "hsdp":
+            assert float(two["efficiency"]) == pytest.approx(float(two["tokens_per_s_per_gpu"]) /
+                                                             float(one["tokens_per_s_per_gpu"]))
+    # The same batch and math per GPU count: the plans differ only in how ranks hold the model and accumulate.
+    assert float(by_cell[("ddp", 2)]["final_loss"]) == pytest.approx(float(by_cell[("fsdp", 2)]["final_loss"]),
+                                                                      rel=1e-4)
+    hsdp = by_cell[("hsdp", 2)]
+    assert hsdp["status"] == "failed" and hsdp["exit_code"] not in ("", "0")
+    assert hsdp["error"].startswith("error: parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp'")
+    assert hsdp["tokens_per_s"] == hsdp["efficiency"] == ""
 
-    # The printed table is the saved one: a row per cell, numeric tokens/s where the cell ran.
+    # The printed table is the saved one: a row per plan and GPU count, numeric tokens/s where the cell ran.
     table = [line for line in (out / "scaling.md").read_text().splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| plan | gpus | global_batch_tokens | tokens_per_s | tokens_per_s_per_gpu | efficiency")
+    assert table[0].startswith("| plan | gpus | global_batch_tokens | tokens_per_s | tokens_per_s_per_gpu | efficiency"
+                               " | peak_mem_gib | exposed_comm_ms | comm_ms |")
     assert all(line in result.stdout for line in table) and len(table) == 1 + len(rows)
     ddp_two = table[2].split(" | ")
-    assert ddp_two[:3] == ["| ddp", "2", "256"] and float(ddp_two[3].replace(",", "")) > 0
+    assert ddp_two[:3] == ["| ddp", "2", "512"] and float(ddp_two[3].replace(",", "")) > 0
+
+
+def kernel(name: str, start: float, end: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
+
+
+def test_comm_breakdown_counts_only_communication_no_compute_overlaps():
+    from bench.scaling import comm_breakdown
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0.0, "dur": 10_000.0},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#6", "ts": 10_000.0, "dur": 10_000.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#5", "ts": 0.0, "dur": 9_000.0},  # GPU's mark
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 20_000.0},  # host time: not a kernel
+        kernel("sm90_xmma_gemm_bf16", 0.0, 4_000.0), kernel("triton_per_fused_0", 3_000.0, 6_000.0),
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 5_000.0, 9_000.0),
+        kernel("triton_red_fused_1", 11_000.0, 12_500.0),
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)", 12_000.0, 13_000.0),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(...)", 12_800.0, 13_400.0)]}
+    got = comm_breakdown(trace)
+    # compute: [0, 6] + [11, 12.5] ms; NCCL: [5, 9] + [12, 13.4] ms, of which [5, 6] and [12, 12.5] overlap compute.
+    assert got == pytest.approx({
+        "step_ms": 10.0, "compute_ms": 7.5 / 2, "comm_ms": 5.4 / 2, "exposed_comm_ms": 3.9 / 2,
+        "gpu_idle_ms": (20.0 - 9.0 - 2.4) / 2, "all_gather_ms": 4.0 / 2, "reduce_scatter_ms": 1.0 / 2,
+        "all_reduce_ms": 0.6 / 2, "profiled_steps": 2})
+    assert comm_breakdown({"traceEvents": trace["traceEvents"][:4]}) is None  # a CPU run: no kernels
 
 
 def test_per_rank_tokens_and_argument_errors(capsys):
@@ -78,7 +111,10 @@ def test_per_rank_tokens_and_argument_errors(capsys):
     for args, message in ((["--gpus", "1", "1"], "error: --gpus 1 1: repeated value; list each once"),
                           (["--gpus", "0"], "error: --gpus 0 --grad-accum 1: must be >= 1"),
                           (["--launcher", "x"], "error: --launcher: scaling.py launches torchrun itself"),
-                          (["--devices", "0"], "error: --devices: each scaling cell uses the first N GPUs")):
+                          (["--devices", "0"], "error: --devices: each scaling cell uses the first N GPUs"),
+                          (["--plans", "ddp", "bogus"], "error: --plans bogus: expected some of ddp, fsdp, hsdp"),
+                          (["--steps", "10", "--warmup", "5", "--profile-steps", "5"],
+                           "error: --profile-steps 5: must be >= 0 and leave unprofiled steady steps")):
         with pytest.raises(SystemExit) as stopped:
             main(["recipes/debug.toml", *args])
         assert stopped.value.code == 2
