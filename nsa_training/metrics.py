@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import resource
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
-from nsa_models.model import NSA_STATS, distance_bin_starts
+from nsa_models.args import ModelArgs
+from nsa_models.telemetry import Histogram
 from nsa_training.config import MetricsConfig
 
 
@@ -16,10 +20,70 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     """(max allocated, max reserved) GiB on a CUDA device; on CPU the process's peak RSS for both."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
-    import resource
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return rss, rss
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Bytes one rank needs: fp32 parameters, gradients and AdamW's two moments (its shard under FSDP), and a rough
+    bound of one micro-batch's activations and logits."""
+
+    states: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations
+
+    def __str__(self) -> str:
+        return (f"{self.total / 2**30:.1f} GiB ({self.states / 2**30:.1f} GiB parameters, gradients and AdamW "
+                f"state, ~{self.activations / 2**30:.1f} GiB activations)")
+
+
+def estimate_memory(args: ModelArgs, n_params: int, tokens: int, *, shards: int, compute_bytes: int,
+                    ac_mode: str) -> MemoryEstimate:
+    """What a training step of `args` (`n_params` parameters) on a micro-batch of `tokens` needs per rank.
+
+    Activations: 12 values of width `dim` kept per token per block without activation checkpointing, one (the block
+    input) with `full` plus one block being recomputed, and the logits with their gradient. The NSA `reference`
+    backend also keeps, per query, the gathered keys and values of its selected blocks and their probabilities
+    (nsa-125m: 0.5M values per token per block, which is what takes it past a CPU's memory). Deliberately low, so
+    that only runs that cannot fit are refused: measured peaks are higher (nsa-125m, 16 x 2048 tokens, bf16,
+    compiled, triton backend, H200: 20.4 GiB against 15.4 estimated; Korthikanti et al. 2022 count 17 values per
+    GPT block).
+    """
+    states = 16 * n_params / shards  # fp32 weights, gradients, exp_avg, exp_avg_sq
+    per_block = 12 * args.dim
+    if args.attention == "nsa" and args.nsa.backend == "reference":
+        gathered = args.nsa.n_selected * args.nsa.sel_block_size
+        per_block += gathered * (2 * args.n_kv_heads * args.head_dim + args.n_heads)
+    kept = args.dim if ac_mode == "full" else per_block
+    recompute = per_block if ac_mode == "full" else 0
+    per_token = (args.n_layers * kept + recompute + 2 * args.vocab_size) * compute_bytes
+    return MemoryEstimate(states=states, activations=float(per_token * tokens))
+
+
+def available_memory(device: torch.device) -> tuple[float | None, str]:
+    """(bytes this rank may still allocate, where) on `device`: the GPU's free memory, or on CPU the host's
+    available memory (within its cgroup's limit) shared by the ranks on it; None when unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0]), f"GPU {device.index}"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    where = "this host" + (f" (shared by {ranks} ranks)" if ranks > 1 else "")
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:  # not Linux
+        return None, where
+    free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    cgroup = Path("/sys/fs/cgroup")
+    try:  # a container's limit, which the out-of-memory killer enforces before the host's runs out
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free / ranks, where
 
 
 # Peak dense bf16 tensor-core TFLOP/s per GPU (no 2:4 sparsity), from the vendors' data sheets. The first name
@@ -35,44 +99,11 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-@dataclasses.dataclass
-class Histogram:
-    """A histogram as tensorboard stores it (`SummaryWriter.add_histogram_raw`): bucket i ends at bucket_limits[i]
-    (the last one at max)."""
-
-    min: float
-    max: float
-    num: float
-    sum: float
-    sum_squares: float
-    bucket_limits: list[float]
-    bucket_counts: list[float]
-
-
-def nsa_metrics(rows: list[list[float]]) -> tuple[dict[str, float], dict[str, Histogram]]:
-    """Tensorboard scalars `nsa/<stat>/layer<i>` and histograms `nsa/slc_distance_hist/layer<i>` from the
-    per-layer telemetry rows of an NSA model (`nsa_models.model.nsa_stats`)."""
-    scalars, histograms = {}, {}
-    for layer, row in enumerate(rows):
-        stats = dict(zip(NSA_STATS, row))
-        scalars.update({f"nsa/{name}/layer{layer}": value for name, value in stats.items()
-                        if name != "slc_distance_sq"})  # kept for the histogram only
-        counts = row[len(NSA_STATS):]
-        starts = distance_bin_starts(len(counts))
-        used = max(k for k, count in enumerate(counts) if count) + 1  # trailing empty bins dropped
-        num = sum(counts)
-        histograms[f"nsa/slc_distance_hist/layer{layer}"] = Histogram(  # min 0: every query selects its own block
-            min=0.0, max=stats["slc_distance_max"], num=num, sum=stats["slc_distance_blocks"] * num,
-            sum_squares=stats["slc_distance_sq"] * num,
-            bucket_limits=[start - 0.5 for start in starts[1:used]] + [stats["slc_distance_max"]],
-            bucket_counts=counts[:used])
-    return scalars, histograms
-
-
 class MetricLogger:
     """Prints one line per log step (on `metrics.log_rank`) and writes the same scalars to `<run_dir>/tb`."""
 
-    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, *, rank: int, total_steps: int, config_text: str):
+    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, *, rank: int, total_steps: int, config_text: str,
+                 start_step: int = 0):
         self.cfg, self.total_steps = cfg, total_steps
         self.active = rank == cfg.log_rank
         self.writer = None
@@ -80,9 +111,9 @@ class MetricLogger:
         self.start_step = 0
         self.skipped = 0.0  # skipped steps seen so far (resumed runs start from 0: only increases are marked)
         if self.active and cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
+            # A run resumed from step N re-runs the steps after N that a crash had already logged: purging them
+            # keeps one value per step (tensorboard drops every event of a step >= purge_step written before).
+            self.writer = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1)
             self.writer.add_text("config", "```toml\n" + config_text + "\n```")
 
     def should_log(self, step: int) -> bool:
@@ -104,6 +135,12 @@ class MetricLogger:
             print(self._line(step, scalars), flush=True)
         elif "eval/loss" in scalars:
             print(f"step {step:>6}  eval loss {scalars['eval/loss']:.4f}", flush=True)
+
+    def log_image(self, step: int, tag: str, image: torch.Tensor) -> None:
+        """Write an RGB image [3, H, W] (values in [0, 1]) for `step`; tensorboard only."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step)
+            self.writer.flush()
 
     def log_histograms(self, step: int, histograms: dict[str, Histogram]) -> None:
         """Write `histograms` (tensorboard tags) for `step`; tensorboard only, no console line."""

@@ -36,3 +36,15 @@ def lr_multiplier(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
                        total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+
+
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                           cfg: OptimizerConfig) -> None:
+    """Give an optimizer and schedule restored from a checkpoint the current `cfg`: its hyper-parameters, and
+    `cfg.lr` as the peak of the schedule, which continues from its step with the current shape (its multipliers
+    are always the current config's: a checkpoint holds only the step and the peak)."""
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
+        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=weight_decay, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.lr * multiplier(scheduler.last_epoch)

@@ -1,4 +1,10 @@
-"""The trainer: everything one rank does for a run, from the resolved config to the exit status."""
+"""The trainer: everything one rank does for a run, from the resolved config to the exit status.
+
+`Trainer(config)` builds the run in named steps, in the order TorchTitan uses: devices and process group, data,
+model (on meta -> parallelisms -> materialise + init), optimizer, resume, run directory and metrics. Nothing in the
+run directory changes until every step that can refuse the start has passed. `train()` runs the loop:
+`train_step`, `_log_step`, `evaluate`, checkpoint, and `_finish`.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,24 @@ from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-from nsa_training.config import Config, ConfigError, config_to_toml
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nsa_models.flops import flops_per_token
+from nsa_models.model import Transformer
+from nsa_models.nsa import check_backend
+from nsa_models.telemetry import nsa_metrics
+from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
+from nsa_training.config import Config, ConfigError, config_to_dict, config_to_toml, load_config
+from nsa_training.data import build_data_loader
+from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_gib, peak_tflops
+from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from nsa_training.passkey import depths, evaluate_passkey, filler_tokens, heat_map, passkey_lengths, passkey_sample
+from nsa_training.passkey import scalars as passkey_scalars
 from nsa_training.watchdog import (
     DIVERGED_EXIT_CODE,
+    OOM_EXIT_CODE,
     HangWatchdog,
     MemorySnapshots,
     ReportFailures,
@@ -20,17 +41,31 @@ from nsa_training.watchdog import (
     StopOnSignal,
     enable_flight_recorder,
 )
+from parallelisms import (
+    CUDA_GRAPH_MODES,
+    build_mesh,
+    check_plan,
+    compile_counters,
+    compile_loss,
+    parallelize,
+    prepare_micro_batch,
+)
+
+VOCAB_MULTIPLE = 64  # model.vocab_size = 0 rounds the tokenizer's vocabulary up to this: tensor-core friendly GEMMs
+# model.* keys that choose how the model computes, not what: a resumed run may change them. Any other model key
+# changed on resume names another model than the checkpoint's, and the start is refused.
+RESUMABLE_MODEL_KEYS = {"model.flavor", "model.init_std", "model.nsa.backend", "model.nsa.window_backend",
+                        "model.nsa.cmp_backend", "model.nsa.float_atomics", "model.nsa.query_chunk"}
 
 
-def _importable(module: str) -> bool:
-    """Whether `module` (dotted) is installed, without importing it (its parent package is imported; a missing
-    parent counts as missing)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+def grad_accum_steps(config: Config, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each of `dp_size` data-parallel ranks (the launcher checks it too)."""
+    cfg = config.training
+    per_step = cfg.micro_batch_size * config.data.seq_len * dp_size
+    if cfg.global_batch_tokens % per_step:
+        raise ConfigError(f"training.global_batch_tokens = {cfg.global_batch_tokens} is not a multiple of "
+                          f"micro_batch_size x seq_len x data-parallel ranks = {per_step}: pick a multiple")
+    return cfg.global_batch_tokens // per_step
 
 
 class TrainingDiverged(RunFailed):
@@ -41,87 +76,39 @@ class TrainingDiverged(RunFailed):
 
 
 class Trainer:
-    """Everything one rank needs for a run, built in the order TorchTitan uses: devices and process group,
-    data, model on meta -> parallelisms -> materialise + init, optimizer, checkpoint (resume), metrics."""
+    """Everything one rank needs for a run; see the module docstring for the order of the steps."""
 
     def __init__(self, config: Config):
-        import torch
-
         self.config = config
-        cfg = config.training
-        self.device = self._pick_device(cfg.device)
+        self.run_dir = Path(config.job.run_dir)
+        self.device = self._pick_device(config.training.device)
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self._init_distributed(config)
-
-        torch.manual_seed(cfg.seed)
+        self._build_process_group()
+        torch.manual_seed(config.training.seed)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        self.run_dir = Path(config.job.run_dir)
-        self._prepare_run_dir()
         # Recording starts before the model is built: the snapshot shows parameters, gradients and optimizer state.
         self.memory = (MemorySnapshots(self.run_dir, self.rank, self.device, config.debug.memory_snapshot_step)
                        if config.debug.memory_snapshot else None)
-        self.compute_dtype = (torch.bfloat16 if cfg.mixed_precision == "bf16" or
-                              (cfg.mixed_precision == "auto" and self.device.type == "cuda") else torch.float32)
-
-        import datasets
-
-        from nsa_training.data import build_data_loader
-
-        datasets.disable_progress_bars()  # "Generating train split" bars on stderr would bury a one-line error
-
-        dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
-        per_step = cfg.micro_batch_size * config.data.seq_len * dp_size
-        if cfg.global_batch_tokens % per_step:
-            raise ConfigError(f"training.global_batch_tokens = {cfg.global_batch_tokens} is not a multiple of "
-                              f"micro_batch_size x seq_len x data-parallel ranks = {per_step}: pick a multiple")
-        self.grad_accum = cfg.global_batch_tokens // per_step
-        loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed)
-        self.train_loader = build_data_loader(config.data, split="train", **loader_args)
-        self.eval_loader = build_data_loader(config.data, split="eval", **loader_args) if cfg.eval_interval else None
-        vocab = self.train_loader.tokenizer.vocab_size
-        if vocab > config.model.vocab_size:
-            raise ConfigError(f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary ({vocab}, data.tokenizer = {config.data.tokenizer!r}): raise it")
-
+        mixed = config.training.mixed_precision
+        self.compute_dtype = (torch.bfloat16 if mixed == "bf16" or (mixed == "auto" and self.device.type == "cuda")
+                              else torch.float32)
+        self._build_data()
+        self._check_nsa_backend()
+        self._check_memory()
         self.model = self._build_model()
-        from nsa_training.optim import build_lr_scheduler, build_optimizer
-        from parallelisms import CUDA_GRAPH_MODES, compile_loss
-
-        self.loss_fn = compile_loss(cross_entropy, config.compile) if config.compile.enable else cross_entropy
-        self.cuda_graphs = config.compile.enable and config.compile.mode in CUDA_GRAPH_MODES
-        if self.cuda_graphs:
-            # A first backward would adopt its CUDA graph's output buffers as the .grad tensors, and the next
-            # micro-batch's replay would overwrite them: accumulate into gradients of our own, zeroed in place.
-            for p in self.model.parameters():
-                p.grad = torch.zeros_like(p)
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, cfg.steps)
-
-        from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
-
-        self.checkpointer = CheckpointManager(config.checkpoint, self.run_dir)
-        self.states = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
-                       "lr_scheduler": self.lr_scheduler, "data": RankLocalState(self.train_loader),
-                       "rng": RankLocalState(RNGState())}
-        self.step = 0
-        self.skipped_steps = self.skipped_in_a_row = 0
+        self._build_optimizer()
+        self._resume()
+        self._write_run_dir()
         self.stop = StopOnSignal()
         self.stop_signum = 0  # a signal received by any rank, as agreed by all ranks (see _agree)
-        resume = self.checkpointer.resume_path()
-        if resume is not None:
-            self.step = self.checkpointer.load(resume, self.states)
-            self._print(f"resumed from {resume} at step {self.step}")
+        self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=config.training.steps,
+                                    config_text=config_to_toml(config), start_step=self.step)
 
-        from nsa_training.metrics import MetricLogger
+    # -- devices and process group ------------------------------------------------------------------------------
 
-        self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=cfg.steps,
-                                    config_text=config_to_toml(config))
-
-    def _pick_device(self, choice: str):
-        import torch
-
+    def _pick_device(self, choice: str) -> torch.device:
         if choice == "cuda" and not torch.cuda.is_available():
             raise ConfigError("training.device = 'cuda' but no CUDA GPU is visible: run on a GPU machine or set "
                               "--training.device cpu")
@@ -129,12 +116,8 @@ class Trainer:
             return torch.device("cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
-    def _init_distributed(self, config: Config) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from parallelisms import build_mesh, check_plan
-
+    def _build_process_group(self) -> None:
+        config = self.config
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         check_plan(config.parallelism, config.activation_checkpoint, config.compile, config.float8,
                    world_size=self.world_size, device_type=self.device.type, gpu_capability=capability)
@@ -158,32 +141,69 @@ class Trainer:
 
     def _set_collective_timeout(self, seconds: float) -> None:
         """Timeout of every later collective, in the default group and the mesh's groups (FSDP's, HSDP's)."""
-        import torch.distributed as dist
-
         groups = {dist.group.WORLD, *(self.mesh.get_all_groups() if self.mesh is not None else ())}
         for group in groups:
             group.set_timeout(timedelta(seconds=seconds))  # every backend of the group: NCCL and gloo
 
-    def _prepare_run_dir(self) -> None:
-        import torch.distributed as dist
+    # -- data ---------------------------------------------------------------------------------------------------
 
-        if self.rank == 0:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / "config.toml").write_text(config_to_toml(self.config))
-            except OSError as e:
-                raise ConfigError(f"job.run_dir = {str(self.run_dir)!r} is not writable ({e.strerror}): "
-                                  "choose another directory") from None
-        dist.barrier()
+    def _build_data(self) -> None:
+        """Train and eval loaders, the gradient accumulation, and the model's vocabulary from the tokenizer's."""
+        cfg, config = self.config.training, self.config
+        dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
+        self.grad_accum = grad_accum_steps(config, dp_size)
+        loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed)
+        self.train_loader = build_data_loader(config.data, split="train", **loader_args)
+        self.eval_loader = build_data_loader(config.data, split="eval", **loader_args) if cfg.eval_interval else None
+        self._resolve_vocab_size(self.train_loader.tokenizer.vocab_size)
+        # Held-out text for the passkey haystacks, read once: every evaluation scores the same samples.
+        self.passkey_filler = None
+        if config.passkey.enable:
+            self.passkey_filler = filler_tokens(self.eval_loader, config.data.seq_len + 1)
+            key = "0" * config.passkey.key_digits  # the shortest sample must hold needle and question: fail now
+            passkey_sample(self.train_loader.tokenizer, self.passkey_filler, config.passkey.min_length, 0.0, key)
 
-    def _build_model(self):
-        import torch
+    def _resolve_vocab_size(self, tokenizer_vocab: int) -> None:
+        """model.vocab_size = 0 becomes the tokenizer's vocabulary rounded up to VOCAB_MULTIPLE (the saved config
+        records the number); a set value must hold every token id."""
+        model = self.config.model
+        if model.vocab_size == 0:
+            model.vocab_size = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif model.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's vocabulary "
+                              f"({tokenizer_vocab}, data.tokenizer = {self.config.data.tokenizer!r}): raise it, or "
+                              "set 0 to follow the tokenizer")
 
-        from nsa_models.model import Transformer
-        from nsa_models.nsa import BACKENDS
-        from parallelisms import parallelize
+    def _check_memory(self) -> None:
+        """Refuse, in one line, a run whose estimated memory per rank exceeds what this device has free: on CPU the
+        kernel's out-of-memory killer would end it later without a word."""
+        c = self.config
+        with torch.device("meta"):  # the parameter count, without allocating
+            n_params = sum(p.numel() for p in Transformer(c.model).parameters())
+        shards = 1 if self.mesh is None or c.parallelism.data_parallel == "ddp" else (
+            self.world_size // (c.parallelism.dp_replicate if c.parallelism.data_parallel == "hsdp" else 1))
+        need = estimate_memory(c.model, n_params, c.training.micro_batch_size * c.data.seq_len, shards=shards,
+                               compute_bytes=self.compute_dtype.itemsize, ac_mode=c.activation_checkpoint.mode)
+        free, where = available_memory(self.device)
+        if free is not None and need.total > free:
+            raise RunFailed(f"out of memory before the start: {c.model.flavor} at {c.training.micro_batch_size} x "
+                            f"{c.data.seq_len} tokens per micro-batch needs about {need} per rank, but {where} has "
+                            f"{free / 2**30:.1f} GiB free; lower training.micro_batch_size or data.seq_len, set "
+                            "activation_checkpoint.mode = 'full', or shard over more GPUs (parallelism.data_parallel "
+                            "= 'fsdp')", OOM_EXIT_CODE)
 
-        self._check_nsa_backend(BACKENDS)
+    # -- model --------------------------------------------------------------------------------------------------
+
+    def _check_nsa_backend(self) -> None:
+        """The chosen NSA backend must be able to run here: no silent fallback to another one."""
+        if self.config.model.attention != "nsa":
+            return
+        try:
+            check_backend(self.config.model.nsa, self.device, self.compute_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _build_model(self) -> torch.nn.Module:
         # On CUDA: build on meta, shard, then materialise only this rank's shard and initialise it (DTensor's
         # RNG tracker gives each shard its own numbers). DTensor has no such tracker on CPU, where every rank
         # would draw the same numbers for its shard: there the model is initialised whole, then sharded.
@@ -205,32 +225,86 @@ class Trainer:
                     f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}")
         return model
 
-    def _check_nsa_backend(self, built: dict) -> None:
-        """The chosen NSA backend must be able to run here: no silent fallback to another one."""
-        import torch
+    # -- optimizer ----------------------------------------------------------------------------------------------
 
-        from nsa_models.args import BUILT_IN_BACKENDS, LIBRARY_PACKAGES, missing_package
+    def _build_optimizer(self) -> None:
+        """The loss function, AdamW and its LR schedule."""
+        config = self.config
+        self.loss_fn = compile_loss(cross_entropy, config.compile) if config.compile.enable else cross_entropy
+        self.cuda_graphs = config.compile.enable and config.compile.mode in CUDA_GRAPH_MODES
+        if self.cuda_graphs:
+            # A first backward would adopt its CUDA graph's output buffers as the .grad tensors, and the next
+            # micro-batch's replay would overwrite them: accumulate into gradients of our own, zeroed in place.
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
 
-        nsa = self.config.model.nsa
-        if self.config.model.attention != "nsa" or nsa.backend == "reference":
+    # -- resume -------------------------------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """Load the latest checkpoint (or checkpoint.load_path), if any, and reconcile the settings that changed
+        since it was written: model keys are refused, everything else runs as the current config says and is
+        named in the one `resumed from` line."""
+        self.checkpointer = CheckpointManager(self.config.checkpoint, self.run_dir)
+        self.states = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                       "lr_scheduler": self.lr_scheduler, "data": RankLocalState(self.train_loader),
+                       "rng": RankLocalState(RNGState())}
+        self.step = 0
+        self.skipped_steps = self.skipped_in_a_row = 0
+        path = self.checkpointer.resume_path()
+        if path is None:
             return
-        if nsa.backend not in built:
-            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} is not available here (the triton package is "
-                              "missing): install triton or set --model.nsa.backend reference")
-        if self.device.type != "cuda":
-            raise ConfigError(f"model.nsa.backend = {nsa.backend!r} needs a CUDA GPU (device is "
-                              f"{self.device.type}): set --model.nsa.backend reference")
-        for key in BUILT_IN_BACKENDS:  # the keys that may name a library
-            choice = getattr(nsa, key)
-            if choice in LIBRARY_PACKAGES and not _importable(LIBRARY_PACKAGES[choice][0]):
-                raise ConfigError(missing_package(key, choice))
-            if choice == "flash_attn_4" and self.compute_dtype != torch.bfloat16:
-                raise ConfigError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
-                                  f"'bf16' (or 'auto'), or {key} = {BUILT_IN_BACKENDS[key][0]!r}")
+        changed = self._changed_settings(path)
+        self.step = self.checkpointer.load(path, self.states)
+        next_lr = self.optimizer.param_groups[0]["lr"]  # what the checkpoint's own settings would use next
+        apply_optimizer_config(self.optimizer, self.lr_scheduler, self.config.optimizer)
+        line = f"resumed from {path} at step {self.step}"
+        if changed:
+            line += "; changed since, applied: " + ", ".join(changed)
+        new_lr = self.optimizer.param_groups[0]["lr"]
+        if f"{new_lr:.2e}" != f"{next_lr:.2e}":
+            line += f"; the LR of step {self.step + 1} is {new_lr:.2e} (the checkpoint's settings: {next_lr:.2e})"
+        if self.step >= self.config.training.steps:
+            line += (f"; nothing left to train (training.steps = {self.config.training.steps}): raise it to train "
+                     "on, the LR schedule is then recomputed for the new length")
+        self._print(line)
+
+    def _changed_settings(self, checkpoint: Path) -> list[str]:
+        """`key old -> new` for every setting that differs from the config of the run that wrote `checkpoint`
+        (`config.toml` beside its `checkpoints/`); ConfigError for a changed model key when resuming this run."""
+        saved = checkpoint.parent.parent / "config.toml"
+        try:
+            previous = config_to_dict(load_config([str(saved)])[0])
+        except ConfigError:  # a run_dir written before config.toml existed, or by another version: nothing to say
+            return []
+        current = config_to_dict(self.config)
+        changed = [key for key, value in current.items() if key in previous and previous[key] != value
+                   and not key.startswith(("job.", "checkpoint."))]
+        if not self.config.checkpoint.load_path:  # the same run: its model is the checkpoint's
+            for key in changed:
+                if key.startswith("model.") and key not in RESUMABLE_MODEL_KEYS:
+                    raise ConfigError(f"{key} = {current[key]!r} differs from the {previous[key]!r} this run was "
+                                      f"trained with ({saved}): set it back to resume, or start a new job.run_dir")
+        return [f"{key} {previous[key]!r} -> {current[key]!r}" for key in changed]
+
+    # -- run directory ------------------------------------------------------------------------------------------
+
+    def _write_run_dir(self) -> None:
+        """The resolved config into `<run_dir>/config.toml`, once every check that can refuse the start passed: a
+        start that fails leaves an existing run as it was."""
+        if self.rank == 0:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.toml").write_text(config_to_toml(self.config))
+            except OSError as e:
+                raise ConfigError(f"job.run_dir = {str(self.run_dir)!r} is not writable ({e.strerror}): "
+                                  "choose another directory") from None
+        dist.barrier()
+
+    # -- the step -----------------------------------------------------------------------------------------------
 
     def _autocast(self):
-        import torch
-
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
         fsdp = self.mesh is not None and self.config.parallelism.data_parallel != "ddp"
         if self.compute_dtype == torch.float32 or fsdp:
@@ -241,40 +315,34 @@ class Trainer:
         if self.rank == self.config.metrics.log_rank:
             print(message, flush=True)
 
-    def _mean_over_ranks(self, value):
-        import torch.distributed as dist
-
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG)
         return value
 
-    def _agree(self, finite) -> bool:
+    def _agree(self, finite: torch.Tensor) -> bool:
         """Whether this step's update is finite on every rank; also sets `stop_signum` to any rank's signal.
 
         Both decisions must be the same on every rank, or the ranks drift apart or deadlock in the next collective.
         `.item()` is one device sync per step; the all-reduce is of a CPU tensor (gloo), adding no device sync.
         """
-        import torch
-        import torch.distributed as dist
-
         flags = torch.tensor([int(not finite.item()), self.stop.received])
         if self.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         self.stop_signum = int(flags[1])
         return not flags[0]
 
-    def train_step(self):
-        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds,
-        whether the update was applied)."""
-        import torch
-
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
+        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds, the
+        LR this step used, whether the update was applied)."""
         debug = self.config.debug
         inject_nan = 0 < debug.nan_at_step <= self.step < debug.nan_at_step + debug.nan_steps
         data_time, total = 0.0, torch.zeros((), device=self.device)
-        for _ in range(self.grad_accum):
+        for micro_batch in range(self.grad_accum):
             start = time.perf_counter()
             inputs, labels = (t.to(self.device, non_blocking=True) for t in next(self.train_loader))
             data_time += time.perf_counter() - start
+            prepare_micro_batch(self.model, self.config.parallelism, micro_batch, self.grad_accum)
             if self.cuda_graphs:  # each micro-batch is a new iteration: its graphs may reuse the last one's memory
                 torch.compiler.cudagraph_mark_step_begin()
             with self._autocast():
@@ -293,17 +361,18 @@ class Trainer:
             if self.step == debug.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
         applied = self._agree(torch.isfinite(total + grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on to the next step's
         # A non-finite loss or gradient would poison the weights and Adam's moments: drop the gradients instead.
         # The LR schedule does not advance either: it counts applied updates, as if this batch had not come.
         if applied:
             self.optimizer.step()
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
-        return total, grad_norm, data_time, applied
+        return total, grad_norm, data_time, lr, applied
+
+    # -- eval ---------------------------------------------------------------------------------------------------
 
     def evaluate(self) -> float:
-        import torch
-
         state = self.eval_loader.state_dict()  # every evaluation reads the same held-out batches
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -317,73 +386,56 @@ class Trainer:
         self.eval_loader.load_state_dict(state)
         return self._mean_over_ranks(total / self.config.training.eval_batches).item()
 
+    def _evaluate_passkey(self) -> None:
+        """Passkey retrieval at every length and depth of `[passkey]`: scalars and one length x depth image."""
+        cfg = self.config.passkey
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with self._autocast():
+                return self.model(tokens)
+
+        self.model.eval()
+        scores = evaluate_passkey(forward, self.train_loader.tokenizer, self.passkey_filler,
+                                  passkey_lengths(cfg.min_length, self.config.data.seq_len), depths(cfg.depths),
+                                  samples=cfg.samples, key_digits=cfg.key_digits, seed=self.config.training.seed,
+                                  device=self.device)
+        self.model.train()
+        self.metrics.log(self.step, passkey_scalars(scores))
+        self.metrics.log_image(self.step, "passkey/accuracy_length_x_depth", heat_map(scores))
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
     def train(self) -> int:
         """Train to `training.steps`; returns the exit status (0, or 128 + signal number when stopped by one)."""
-        import torch
-
-        from nsa_models.flops import flops_per_token
-        from nsa_training.metrics import memory_gib, nsa_metrics, peak_tflops
-        from parallelisms import compile_counters
-
         cfg = self.config.training
-        tokens_per_step = cfg.global_batch_tokens
-        self._print(f"training {cfg.steps} steps of {tokens_per_step:,} tokens "
+        self._print(f"training {cfg.steps} steps of {cfg.global_batch_tokens:,} tokens "
                     f"({self.grad_accum} micro-batches of {cfg.micro_batch_size} x {self.config.data.seq_len} "
                     f"per rank), run_dir {self.run_dir}")
-        # Model FLOPs per device per step, for perf/tflops; MFU divides by the bf16 peak (an fp32 run reads low).
-        flops_per_step = (flops_per_token(self.config.model, self.config.data.seq_len).total * tokens_per_step
-                          / self.world_size)
-        peak = peak_tflops(self.device)
-        if peak is None and self.rank == self.config.metrics.log_rank:
-            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-            print(f"warning: no peak TFLOP/s known for device {name!r} (nsa_training/metrics.py PEAK_BF16_TFLOPS): "
-                  "perf/mfu is not logged", file=sys.stderr, flush=True)
+        self._start_perf_window()
         profiler = self._profiler()
-        window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
         debug, first_step = self.config.debug, self.step + 1
-        with (self.stop, HangWatchdog(debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
+        with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s,
                              self.memory) as failures):
             while self.step < cfg.steps and not self.stop_signum:
                 self.step += 1
-                loss, grad_norm, step_data_time, applied = self.train_step()
-                window_steps += 1
-                data_time += step_data_time
+                loss, grad_norm, data_time, lr, applied = self.train_step()
                 self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
                 self.skipped_steps += not applied
                 if profiler is not None:
                     profiler.step()
-                if self.step == 2 and self.config.compile.enable:
-                    counts = compile_counters()
-                    if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
-                        del counts["cudagraph_skips"]
-                    self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-                    self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
-                if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
-                    loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
-                    elapsed = (time.perf_counter() - window_start) / window_steps
-                    allocated, reserved = memory_gib(self.device)
-                    tflops = flops_per_step / elapsed / 1e12
-                    self.metrics.log(self.step, {
-                        "train/loss": loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
-                        "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
-                        "perf/tokens_per_s": tokens_per_step / elapsed, "perf/step_time_s": elapsed,
-                        "perf/data_time_s": data_time / window_steps, "perf/tflops": tflops,
-                        **({"perf/mfu": tflops / peak} if peak else {}),
-                        "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
-                    window_start, window_steps, data_time = time.perf_counter(), 0, 0.0
+                self._log_step(loss, grad_norm, data_time, lr, applied)
                 if self.skipped_in_a_row >= cfg.max_skipped_steps:
                     raise TrainingDiverged(
                         f"step {self.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
                         f"row (training.max_skipped_steps = {cfg.max_skipped_steps}); latest checkpoint "
                         f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
-                if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step):
-                    # Computed in every forward inside the compiled graph; reading it is this step's one extra sync.
-                    scalars, histograms = nsa_metrics(self.model.nsa_stats.tolist())
-                    self.metrics.log(self.step, scalars)
-                    self.metrics.log_histograms(self.step, histograms)
                 if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
                     self.metrics.log(self.step, {"eval/loss": self.evaluate()})
+                    if self.passkey_filler is not None:
+                        self._evaluate_passkey()
                 if applied:  # never checkpoint right after a non-finite step: resume from the last good one
                     self.checkpointer.save(self.step, self.states,
                                            final=self.step == cfg.steps or bool(self.stop_signum))
@@ -395,6 +447,57 @@ class Trainer:
                     self._set_collective_timeout(debug.collective_timeout_s)
         if profiler is not None:
             profiler.stop()
+        return self._finish()
+
+    # -- logging ------------------------------------------------------------------------------------------------
+
+    def _start_perf_window(self) -> None:
+        """Model FLOPs per device per step (perf/tflops; MFU divides by the bf16 peak, so an fp32 run reads low) and
+        the first window of steps that perf/* averages over."""
+        self.flops_per_step = (flops_per_token(self.config.model, self.config.data.seq_len).total
+                               * self.config.training.global_batch_tokens / self.world_size)
+        self.peak_tflops = peak_tflops(self.device)
+        if self.peak_tflops is None and self.rank == self.config.metrics.log_rank:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+            print(f"warning: no peak TFLOP/s known for device {name!r} (nsa_training/metrics.py PEAK_BF16_TFLOPS): "
+                  "perf/mfu is not logged", file=sys.stderr, flush=True)
+        self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
+
+    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_time: float, lr: float,
+                  applied: bool) -> None:
+        """Compile counters at step 2, the step's scalars every `metrics.log_freq` steps (and every skipped step),
+        NSA telemetry every `metrics.nsa_stats_freq` steps."""
+        self.window_steps += 1
+        self.window_data_time += data_time
+        if self.step == 2 and self.config.compile.enable:
+            counts = compile_counters()
+            if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
+                del counts["cudagraph_skips"]
+            self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+            self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
+        if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
+            loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
+            elapsed = (time.perf_counter() - self.window_start) / self.window_steps
+            allocated, reserved = memory_gib(self.device)
+            tflops = self.flops_per_step / elapsed / 1e12
+            self.metrics.log(self.step, {
+                "train/loss": loss, "train/lr": lr,
+                "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
+                "perf/tokens_per_s": self.config.training.global_batch_tokens / elapsed, "perf/step_time_s": elapsed,
+                "perf/data_time_s": self.window_data_time / self.window_steps, "perf/tflops": tflops,
+                **({"perf/mfu": tflops / self.peak_tflops} if self.peak_tflops else {}),
+                "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
+            self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
+        if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step):
+            # Computed in every forward inside the compiled graph; reading it is this step's one extra sync.
+            scalars, histograms = nsa_metrics(self.model.nsa_stats.tolist())
+            self.metrics.log(self.step, scalars)
+            self.metrics.log_histograms(self.step, histograms)
+
+    # -- finish -------------------------------------------------------------------------------------------------
+
+    def _finish(self) -> int:
+        """Close the metrics, export the weights of a finished run, leave the process group; the exit status."""
         self.metrics.close()
         if self.stop_signum:
             self._print(f"stopped by {signal.Signals(self.stop_signum).name} at step {self.step}; checkpoint "
@@ -403,7 +506,7 @@ class Trainer:
             if self.config.checkpoint.export_weights:
                 self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
             self._print(f"done: {self.step} steps; run_dir {self.run_dir}")
-        torch.distributed.destroy_process_group()
+        dist.destroy_process_group()
         # Stopped: not 0, the run is unfinished; schedulers and torchrun read 128 + signal as "killed by it".
         return 128 + self.stop_signum if self.stop_signum else 0
 
@@ -411,9 +514,7 @@ class Trainer:
         complete = self.checkpointer.complete_checkpoints()
         return str(complete[-1]) if complete else "none"
 
-    def _profiler(self):
-        import torch
-
+    def _profiler(self) -> torch.profiler.profile | None:
         p = self.config.profiling
         if not p.enable:
             return None
@@ -427,8 +528,6 @@ class Trainer:
         return profiler
 
 
-def cross_entropy(logits, labels):
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    import torch.nn.functional as F
-
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

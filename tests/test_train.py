@@ -2,48 +2,24 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nsa_models.args import NSAArgs
-from nsa_training.config import ConfigError
-from nsa_training.trainer import Trainer, _importable
-from tests.conftest import needs_flash_attn_4
+from nsa_models.args import FLAVORS
+from nsa_training.config import ConfigError, load_config
+from nsa_training.optim import lr_multiplier
+from nsa_training.trainer import Trainer
+from nsa_training.watchdog import OOM_EXIT_CODE, ReportFailures, RunFailed
+from tests.helpers import FAST, REPO, env, event_files, scalars
 
-REPO = Path(__file__).resolve().parents[1]
-# Small steps: 4 sequences of 128 tokens of the debug model.
-FAST = ["--data.seq_len", "128", "--training.global_batch_tokens", "512", "--training.micro_batch_size", "4",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--training.eval_interval", "5",
-        "--training.eval_batches", "1"]
 TAGS = {"train/loss", "train/lr", "train/grad_norm", "eval/loss", "perf/tokens_per_s", "perf/step_time_s",
         "perf/data_time_s", "memory/max_allocated_gib"}
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "NGPU": "1"}
-
-
-def scalars(event_file: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} of one tensorboard event file."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    out: dict[str, dict[int, float]] = {}
-    for event in EventFileLoader(str(event_file)).Load():
-        for value in event.summary.value:
-            if value.metadata.plugin_data.plugin_name == "scalars":  # the loader yields scalars as tensors
-                out.setdefault(value.tag, {})[event.step] = value.tensor.float_val[0]
-    return out
-
-
-def event_files(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
 
 
 def test_run_sh_end_to_end(tmp_path):
@@ -109,47 +85,104 @@ def test_runtime_errors_are_one_line(tmp_path, args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-2000:]
+    assert not (tmp_path / "run" / "config.toml").exists()  # a start that fails writes nothing into the run
 
 
-def test_importable_checks_submodules_without_failing_on_a_missing_parent():
-    """The window-package check: a dotted module whose parent package is missing reads as not installed."""
-    assert _importable("json.decoder")
-    assert not _importable("json.no_such_module")
-    assert not _importable("no_such_package.cute")
+def run_train(run_dir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir", str(run_dir), *FAST,
+                           "--checkpoint.interval", "3", "--training.eval_interval", "0", *args], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=600)
 
 
-def fa4_plan(key: str, compute_dtype: torch.dtype) -> SimpleNamespace:
-    """What `Trainer._check_nsa_backend` reads of a CUDA run whose model.nsa.<key> is 'flash_attn_4'."""
-    nsa = NSAArgs(backend="triton", **{key: "flash_attn_4"})
-    return SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(attention="nsa", nsa=nsa)),
-                           device=torch.device("cuda"), compute_dtype=compute_dtype)
+def logged_once(run_dir) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} as tensorboard reads the whole run (every event file, purges applied); fails on a step
+    logged twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    out = {}
+    for tag in events.Tags()["scalars"]:
+        steps = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert len({step for step, _ in steps}) == len(steps), f"{tag}: a step logged twice: {steps}"
+        out[tag] = dict(steps)
+    return out
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("key,instead", [("window_backend", "'flex'"), ("cmp_backend", "'triton'")])
-def test_flash_attn_4_needs_bf16_compute(key: str, instead: str):
-    """FA4 takes bf16 only: an fp32 plan is a one-line config error before anything is built."""
-    needs_flash_attn_4()
-    from nsa_models.nsa.core import BACKENDS
+def test_resume_after_a_crash_logs_each_step_once_and_applies_changed_settings(tmp_path):
+    """A run of 6 steps loses its last checkpoint (as a crash between logging step 6 and saving it would) and is
+    resumed from step 3 with a new LR and length: tensorboard holds steps 4-6 once, the resumed steps train at the
+    new LR with the schedule of the new length, config.toml says what ran; a resume with a changed model is refused
+    without touching the run. Also: the logged LR is the one each step used, and the vocabulary follows the
+    tokenizer."""
+    run_dir = tmp_path / "run"
+    first = run_train(run_dir, "--training.steps", "6", "--model.vocab_size", "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "vocab_size = 320\n" in (run_dir / "config.toml").read_text()  # the byte tokenizer's 257, rounded up
+    schedule = load_config(["recipes/debug.toml", *FAST])[0].lr_scheduler
+    lr = logged_once(run_dir)["train/lr"]
+    assert lr == {s: pytest.approx(2e-3 * lr_multiplier(s - 1, schedule, 6)) for s in range(1, 7)}
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
 
-    with pytest.raises(ConfigError, match=f"{key} = 'flash_attn_4' runs bf16 only.* or {key} = {instead}"):
-        Trainer._check_nsa_backend(fa4_plan(key, torch.float32), BACKENDS)
-    Trainer._check_nsa_backend(fa4_plan(key, torch.bfloat16), BACKENDS)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    refused = run_train(run_dir, "--training.steps", "6", "--model.vocab_size", "0", "--model.n_layers", "3")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [f"error: model.n_layers = 3 differs from the 2 this run was trained with "
+                                           f"({run_dir / 'config.toml'}): set it back to resume, or start a new "
+                                           "job.run_dir"]
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before  # nothing in the run touched
+
+    resumed = run_train(run_dir, "--training.steps", "8", "--model.vocab_size", "0", "--optimizer.lr", "1e-3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"resumed from {run_dir / 'checkpoints' / 'step-00000003'} at step 3; changed since, applied: "
+            "training.steps 6 -> 8, optimizer.lr 0.002 -> 0.001; the LR of step 4 is ") in resumed.stdout
+    logged = logged_once(run_dir)
+    assert sorted(logged["train/loss"]) == list(range(1, 9))
+    assert logged["train/lr"] == {**{s: lr[s] for s in range(1, 4)},
+                                  **{s: pytest.approx(1e-3 * lr_multiplier(s - 1, schedule, 8)) for s in range(4, 9)}}
+    saved = load_config([str(run_dir / "config.toml")])[0]
+    assert (saved.optimizer.lr, saved.training.steps, saved.model.vocab_size) == (1e-3, 8, 320)
 
 
-def test_a_missing_library_is_one_line_naming_the_key(monkeypatch):
-    """A library backend whose package is not installed: a config error naming the key, the package and the
-    built-in choices (before anything is built)."""
-    from nsa_training import trainer as train
+def test_vocab_size_follows_the_tokenizer():
+    """model.vocab_size = 0 is the tokenizer's vocabulary rounded up to 64; a set value stays, if large enough."""
+    def resolve(vocab_size: int, tokenizer_vocab: int) -> int:
+        plan = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(vocab_size=vocab_size),
+                                                      data=SimpleNamespace(tokenizer="tokenizer.json")))
+        Trainer._resolve_vocab_size(plan, tokenizer_vocab)
+        return plan.config.model.vocab_size
 
-    monkeypatch.setattr(train, "_importable", lambda name: False)
-    for key, message in [("window_backend", "model.nsa.window_backend = 'flash_attn_4' needs the flash-attn-4 "
-                                            "package (pip install flash-attn-4); or set it to 'flex' or 'sdpa'"),
-                         ("cmp_backend", "model.nsa.cmp_backend = 'flash_attn_4' needs the flash-attn-4 package "
-                                         "(pip install flash-attn-4); or set it to 'triton'")]:
-        with pytest.raises(ConfigError) as error:
-            Trainer._check_nsa_backend(fa4_plan(key, torch.bfloat16), {"triton": None})
-        assert str(error.value) == message
+    assert (resolve(0, 50257), resolve(0, 257), resolve(0, 320), resolve(264, 257)) == (50304, 320, 320, 264)
+    with pytest.raises(ConfigError, match="model.vocab_size = 256 is smaller than the tokenizer's vocabulary"):
+        resolve(256, 257)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.toml") if p.name != "debug.toml"))
+def test_gpu_recipes_size_the_vocabulary_by_a_subword_tokenizer(recipe):
+    """No recipe pairs the 257 byte ids with a GPT-2-sized embedding: the vocabulary follows a subword tokenizer."""
+    config = load_config([str(REPO / "recipes" / recipe)])[0]
+    assert config.model.vocab_size == 0 and config.data.tokenizer.endswith(".json")
+    assert FLAVORS[config.model.flavor].vocab_size == 0
+
+
+def test_a_run_that_cannot_fit_says_so_before_it_starts(tmp_path):
+    """nsa-1b with 1024 x 4096 tokens per micro-batch needs terabytes: one line, the out-of-memory status, and no
+    run directory, instead of the kernel's out-of-memory killer ending it without a word."""
+    run_dir = tmp_path / "run"
+    result = run_train(run_dir, "--model.flavor", "nsa-1b", "--data.seq_len", "4096", "--training.micro_batch_size",
+                       "1024", "--training.global_batch_tokens", str(1024 * 4096), "--training.device", "cpu")
+    assert result.returncode == OOM_EXIT_CODE
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: out of memory before the start: nsa-1b at 1024 x 4096 tokens per micro-batch "
+                           "needs about ") and "lower training.micro_batch_size" in line
+    assert not (run_dir / "config.toml").exists()
+
+
+def test_cpu_out_of_memory_is_one_line_and_its_exit_status():
+    """An allocation that the CPU allocator refuses is reported as out of memory (status 6), not a traceback."""
+    with pytest.raises(RunFailed) as failure, ReportFailures(0, 0, 60.0, 60.0, None):
+        torch.empty(2**62, dtype=torch.uint8)
+    assert failure.value.exit_code == OOM_EXIT_CODE and "out of memory (" in str(failure.value)
 
 
 def test_print_config_round_trips(tmp_path):
@@ -176,7 +209,7 @@ def test_cuda_graphs_capture_every_graph_and_train_as_default(tmp_path):
         result = subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--training.steps", "10",
                                  "--job.run_dir", str(run_dir), *FAST, "--training.global_batch_tokens", "1024",
                                  "--training.device", "cuda", "--compile.enable", "true", "--compile.mode", mode,
-                                 "--model.nsa.backend", "triton"],
+                                 "--model.nsa.backend", "triton", "--data.source", "synthetic"],
                                 cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         (events,) = event_files(run_dir)
