@@ -1,0 +1,129 @@
+"""Passkey retrieval (needle in a haystack): does the model find a key placed far back in its context?
+
+A sample of `length` tokens is filler text (held-out data) with a needle ("The pass key is 83920. Remember it.")
+at a relative `depth` (0: the start, 1: just before the question), then "What is the pass key? The pass key is"
+and the key itself. The model is scored teacher-forced on the key's tokens: `accuracy` is the share of key tokens
+predicted exactly (argmax), `log_likelihood` their mean log-probability. A model that uses its context beyond the
+sliding window retrieves keys at every depth; one that does not is at chance far from the question.
+
+Every rank runs the same forwards (one per length, of the same shape), so scoring works under any data-parallel
+plan; the logged scores are the logging rank's, whose filler comes from its own held-out shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nsa_training.config import ConfigError
+from nsa_training.tokenizer import Tokenizer
+
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = " What is the pass key? The pass key is "
+
+
+@dataclass(frozen=True)
+class PasskeyScore:
+    length: int
+    depth: float
+    accuracy: float
+    log_likelihood: float
+
+
+def passkey_sample(tokenizer: Tokenizer, filler: Sequence[int], length: int, depth: float,
+                   key: str) -> tuple[list[int], int]:
+    """`length + 1` token ids (a model input of `length` and its last label) with the key's needle at `depth` of
+    the filler, ending in the key; and the number of the key's tokens (the sample's last ones)."""
+    needle = tokenizer.encode(NEEDLE.format(key=key))
+    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(key)
+    n_filler = length + 1 - len(needle) - len(question) - len(answer)
+    if n_filler < 0 or len(filler) < n_filler:
+        raise ConfigError(f"passkey.min_length: a sample of {length} tokens cannot hold the needle, question and "
+                          f"key ({length + 1 - n_filler} tokens) and {n_filler} filler tokens "
+                          f"({len(filler)} available): raise passkey.min_length")
+    at = round(depth * n_filler)
+    return [*filler[:at], *needle, *filler[at:n_filler], *question, *answer], len(answer)
+
+
+def filler_tokens(loader: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[int]:
+    """At least `n` held-out tokens from a resumable batch loader (see nsa_training.data), left where it was."""
+    state = loader.state_dict()
+    tokens: list[int] = []
+    while len(tokens) < n:
+        inputs, _ = next(loader)
+        tokens += inputs.flatten().tolist()
+    loader.load_state_dict(state)
+    return tokens
+
+
+def passkey_lengths(min_length: int, max_length: int) -> list[int]:
+    """`min_length`, doubling, up to and including `max_length`."""
+    lengths = [min_length]
+    while lengths[-1] * 2 < max_length:
+        lengths.append(lengths[-1] * 2)
+    return lengths + [max_length] if lengths[-1] != max_length else lengths
+
+
+def depths(n: int) -> list[float]:
+    """`n` evenly spaced relative depths from 0 to 1."""
+    return [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+
+
+@torch.no_grad()
+def evaluate_passkey(model: Callable[[torch.Tensor], torch.Tensor], tokenizer: Tokenizer, filler: Sequence[int],
+                     lengths: Sequence[int], depth_values: Sequence[float], *, samples: int, key_digits: int,
+                     seed: int, device: torch.device) -> list[PasskeyScore]:
+    """One score per (length, depth): `samples` keys each, batched per length (one forward per length)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = [str(int(k)).zfill(key_digits)
+            for k in torch.randint(10 ** key_digits, (samples,), generator=generator)]
+    scores = []
+    for length in lengths:
+        rows = [passkey_sample(tokenizer, filler, length, depth, key) for depth in depth_values for key in keys]
+        n_key = rows[0][1]
+        tokens = torch.tensor([ids for ids, _ in rows], device=device)
+        logits = model(tokens[:, :-1])[:, -n_key:].float()  # the positions that predict the key's tokens
+        target = tokens[:, -n_key:]
+        hit = (logits.argmax(-1) == target).float().mean(-1).view(len(depth_values), samples).mean(-1)
+        log_p = -F.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(-1)
+        log_p = log_p.view(len(depth_values), samples).mean(-1)
+        scores += [PasskeyScore(length, d, float(a), float(lp)) for d, a, lp in zip(depth_values, hit, log_p)]
+    return scores
+
+
+def heat_map(scores: Sequence[PasskeyScore], cell: int = 16) -> torch.Tensor:
+    """Accuracy as an RGB image [3, lengths x cell, depths x cell]: rows are lengths (shortest on top), columns
+    depths (0 left); red is 0, green is 1."""
+    lengths = sorted({s.length for s in scores})
+    depth_values = sorted({s.depth for s in scores})
+    grid = torch.zeros(len(lengths), len(depth_values))
+    for s in scores:
+        grid[lengths.index(s.length), depth_values.index(s.depth)] = s.accuracy
+    image = torch.stack([1 - grid, grid, torch.zeros_like(grid)])
+    return image.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+
+
+def scalars(scores: Sequence[PasskeyScore]) -> dict[str, float]:
+    """Tensorboard scalars: accuracy and log-likelihood per length (mean over depths), and overall accuracy."""
+    out = {}
+    for length in sorted({s.length for s in scores}):
+        row = [s for s in scores if s.length == length]
+        out[f"passkey/accuracy/len{length}"] = sum(s.accuracy for s in row) / len(row)
+        out[f"passkey/log_likelihood/len{length}"] = sum(s.log_likelihood for s in row) / len(row)
+    out["passkey/accuracy"] = sum(s.accuracy for s in scores) / len(scores)
+    return out
+
+
+def table(scores: Sequence[PasskeyScore]) -> str:
+    """Markdown table of accuracy: one row per length, one column per depth."""
+    depth_values = sorted({s.depth for s in scores})
+    lines = ["| length | " + " | ".join(f"depth {d:.2f}" for d in depth_values) + " | mean |",
+             "|---" * (len(depth_values) + 2) + "|"]
+    for length in sorted({s.length for s in scores}):
+        row = sorted((s for s in scores if s.length == length), key=lambda s: s.depth)
+        mean = sum(s.accuracy for s in row) / len(row)
+        lines.append(f"| {length} | " + " | ".join(f"{s.accuracy:.2f}" for s in row) + f" | {mean:.2f} |")
+    return "\n".join(lines)

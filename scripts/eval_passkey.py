@@ -1,0 +1,54 @@
+"""Passkey retrieval of a run's latest checkpoint, as the trainer's `[passkey]` evaluation scores it.
+
+    python scripts/eval_passkey.py runs/retrieval_nsa --min-length 512 --depths 5 --samples 8
+
+Prints a markdown table of accuracy (rows: context lengths from --min-length doubling up to the run's
+data.seq_len; columns: the needle's relative depth). Filler text comes from the run's held-out split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from nsa_training.config import ConfigError
+from nsa_training.data import build_data_loader
+from nsa_training.inference import load_run
+from nsa_training.passkey import depths, evaluate_passkey, filler_tokens, passkey_lengths, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the job.run_dir of a training run")
+    parser.add_argument("--min-length", type=int, default=256, help="shortest context, doubled up to data.seq_len")
+    parser.add_argument("--depths", type=int, default=5, help="needle depths, evenly spaced from 0 to 1")
+    parser.add_argument("--samples", type=int, default=4, help="keys per (length, depth)")
+    parser.add_argument("--key-digits", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model, tokenizer, config, path = load_run(args.run_dir, torch.device(args.device))
+        seq_len = config.data.seq_len
+        if not 0 < args.min_length <= seq_len:
+            raise ConfigError(f"--min-length {args.min_length}: must be between 1 and the run's data.seq_len "
+                              f"({seq_len})")
+        # The trainer's held-out loader on one rank: the same filler, so the same samples as its evaluations.
+        loader = build_data_loader(config.data, split="eval", batch_size=config.training.micro_batch_size,
+                                   dp_rank=0, dp_world_size=1, seed=config.training.seed)
+        filler = filler_tokens(loader, seq_len + 1)
+        scores = evaluate_passkey(model, tokenizer, filler, passkey_lengths(args.min_length, seq_len),
+                                  depths(args.depths), samples=args.samples, key_digits=args.key_digits,
+                                  seed=args.seed, device=torch.device(args.device))
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    print(f"passkey accuracy of {path} ({args.samples} keys per cell)\n\n{table(scores)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Sample text from a run's latest checkpoint, with the run's own model settings and tokenizer.
+
+    python scripts/generate.py runs/debug --prompt "def main(" --max-new-tokens 200
+    python scripts/generate.py runs/debug --prompts-file prompts.txt --temperature 0   # greedy, one prompt a line
+
+Each new token comes from a full forward over the context (the last `model.max_seq_len` tokens): no key/value
+cache, so sampling is exactly the model's training-time computation. `--temperature 0` is greedy decoding;
+otherwise logits are divided by the temperature, cut to the `--top-k` most likely tokens (0: all) and sampled
+with a generator seeded by `--seed` (the same command prints the same text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from nsa_models.model import Transformer
+from nsa_training.config import ConfigError
+from nsa_training.inference import load_run
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """One token id from the last position's logits [vocab]."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        cutoff = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """`prompt` followed by up to `max_new_tokens` sampled ids (fewer if `eos_id` comes)."""
+    device = model.tok_embeddings.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([tokens[-model.args.max_seq_len:]], device=device)
+        token = next_token(model(context)[0, -1], temperature, top_k, generator)
+        tokens.append(token)
+        if token == eos_id:
+            break
+    return tokens
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the job.run_dir of a training run")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    parser.add_argument("--prompts-file", type=Path, help="a UTF-8 file with one prompt per line")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.prompts_file is not None:
+        try:
+            args.prompt += [line for line in args.prompts_file.read_text(encoding="utf-8").splitlines() if line]
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"--prompts-file {str(args.prompts_file)!r}: {e}")
+    if not args.prompt:
+        parser.error("give --prompt TEXT or --prompts-file FILE")
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        parser.error("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model, tokenizer, _, path = load_run(args.run_dir, torch.device(args.device))
+        print(f"# {path}", file=sys.stderr)
+        for prompt in args.prompt:
+            ids = tokenizer.encode(prompt)
+            out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           seed=args.seed, eos_id=tokenizer.eos_id)
+            print(prompt + tokenizer.decode(out[len(ids):]), flush=True)
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
