@@ -37,13 +37,14 @@ class MemoryEstimate:
         return self.states + self.activations
 
     def __str__(self) -> str:
-        return (f"{self.total / 2**30:.1f} GiB ({self.states / 2**30:.1f} GiB parameters, gradients and AdamW "
-                f"state, ~{self.activations / 2**30:.1f} GiB activations)")
+        return (f"{self.total / 2**30:.1f} GiB ({self.states / 2**30:.1f} GiB parameters, gradients, AdamW "
+                f"state and buffers, ~{self.activations / 2**30:.1f} GiB activations)")
 
 
 def estimate_memory(args: ModelArgs, n_params: int, tokens: int, *, shards: int, compute_bytes: int,
-                    ac_mode: str) -> MemoryEstimate:
-    """What a training step of `args` (`n_params` parameters) on a micro-batch of `tokens` needs per rank.
+                    ac_mode: str, buffer_bytes: int = 0) -> MemoryEstimate:
+    """What a training step of `args` (`n_params` parameters, `buffer_bytes` of buffers such as the RoPE table) on
+    a micro-batch of `tokens` needs per rank.
 
     Activations: 12 values of width `dim` kept per token per block without activation checkpointing, one (the block
     input) with `full` plus one block being recomputed, and the logits with their gradient. The NSA `reference`
@@ -53,7 +54,7 @@ def estimate_memory(args: ModelArgs, n_params: int, tokens: int, *, shards: int,
     compiled, triton backend, H200: 20.4 GiB against 15.4 estimated; Korthikanti et al. 2022 count 17 values per
     GPT block).
     """
-    states = 16 * n_params / shards  # fp32 weights, gradients, exp_avg, exp_avg_sq
+    states = 16 * n_params / shards + buffer_bytes  # fp32 weights, gradients, exp_avg, exp_avg_sq; buffers whole
     per_block = 12 * args.dim
     if args.attention == "nsa" and args.nsa.backend == "reference":
         gathered = args.nsa.n_selected * args.nsa.sel_block_size

@@ -8,6 +8,7 @@ run directory changes until every step that can refuse the start has passed. `tr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -178,12 +179,22 @@ class Trainer:
         """Refuse, in one line, a run whose estimated memory per rank exceeds what this device has free: on CPU the
         kernel's out-of-memory killer would end it later without a word."""
         c = self.config
-        with torch.device("meta"):  # the parameter count, without allocating
-            n_params = sum(p.numel() for p in Transformer(c.model).parameters())
+        try:  # sizes without allocating: a one-block model on meta, its block counted n_layers times
+            with torch.device("meta"):
+                one_block = Transformer(dataclasses.replace(c.model, n_layers=1))
+        except RuntimeError as e:  # sizes whose tensors no storage can hold ("Storage size calculation overflowed")
+            raise ConfigError(f"the model (flavor {c.model.flavor!r}) cannot be built with these sizes ({e}): lower "
+                              "model.dim, model.vocab_size or model.max_seq_len") from None
+        block, more_blocks = one_block.layers["0"], c.model.n_layers - 1
+        n_params = (sum(p.numel() for p in one_block.parameters())
+                    + more_blocks * sum(p.numel() for p in block.parameters()))
+        buffer_bytes = (sum(b.numel() * b.element_size() for b in one_block.buffers())
+                        + more_blocks * sum(b.numel() * b.element_size() for b in block.buffers()))
         shards = 1 if self.mesh is None or c.parallelism.data_parallel == "ddp" else (
             self.world_size // (c.parallelism.dp_replicate if c.parallelism.data_parallel == "hsdp" else 1))
         need = estimate_memory(c.model, n_params, c.training.micro_batch_size * c.data.seq_len, shards=shards,
-                               compute_bytes=self.compute_dtype.itemsize, ac_mode=c.activation_checkpoint.mode)
+                               compute_bytes=self.compute_dtype.itemsize, ac_mode=c.activation_checkpoint.mode,
+                               buffer_bytes=buffer_bytes)
         free, where = available_memory(self.device)
         if free is not None and need.total > free:
             raise RunFailed(f"out of memory before the start: {c.model.flavor} at {c.training.micro_batch_size} x "

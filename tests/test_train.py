@@ -178,6 +178,19 @@ def test_a_run_that_cannot_fit_says_so_before_it_starts(tmp_path):
     assert not (run_dir / "config.toml").exists()
 
 
+@pytest.mark.parametrize("sizes, status, says", [
+    (("--model.dim", str(10**11)), 2, "cannot be built with these sizes"),  # no storage can hold its tensors
+    (("--model.max_seq_len", str(10**11)), OOM_EXIT_CODE, "out of memory before the start"),  # the RoPE table
+    (("--model.n_layers", str(10**5)), OOM_EXIT_CODE, "out of memory before the start"),  # counted, not built
+])
+def test_model_sizes_beyond_the_machine_are_one_line(tmp_path, sizes, status, says):
+    result = run_train(tmp_path / "run", *sizes, "--training.device", "cpu")
+    assert result.returncode == status
+    (line,) = result.stderr.splitlines()[-1:]
+    assert line.startswith("error: ") and says in line and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_cpu_out_of_memory_is_one_line_and_its_exit_status():
     """An allocation that the CPU allocator refuses is reported as out of memory (status 6), not a traceback."""
     with pytest.raises(RunFailed) as failure, ReportFailures(0, 0, 60.0, 60.0, None):
