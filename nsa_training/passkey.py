@@ -106,7 +106,7 @@ def heat_map(scores: Sequence[PasskeyScore], cell: int = 16) -> torch.Tensor:
     return image.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
 
 
-def scalars(scores: Sequence[PasskeyScore]) -> dict[str, float]:
+def passkey_scalars(scores: Sequence[PasskeyScore]) -> dict[str, float]:
     """Tensorboard scalars: accuracy and log-likelihood per length (mean over depths), and overall accuracy."""
     out = {}
     for length in sorted({s.length for s in scores}):

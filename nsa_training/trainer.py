@@ -30,8 +30,15 @@ from nsa_training.config import Config, ConfigError, config_to_dict, config_to_t
 from nsa_training.data import build_data_loader
 from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_gib, peak_tflops
 from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
-from nsa_training.passkey import depths, evaluate_passkey, filler_tokens, heat_map, passkey_lengths, passkey_sample
-from nsa_training.passkey import scalars as passkey_scalars
+from nsa_training.passkey import (
+    depths,
+    evaluate_passkey,
+    filler_tokens,
+    heat_map,
+    passkey_lengths,
+    passkey_sample,
+    passkey_scalars,
+)
 from nsa_training.watchdog import (
     DIVERGED_EXIT_CODE,
     OOM_EXIT_CODE,

@@ -19,12 +19,11 @@ from nsa_training.passkey import (
     heat_map,
     passkey_lengths,
     passkey_sample,
-    scalars,
+    passkey_scalars,
     table,
 )
 from nsa_training.tokenizer import ByteTokenizer
-from tests.helpers import REPO, event_files
-from tests.helpers import scalars as tb_scalars
+from tests.helpers import REPO, event_files, scalars
 
 TOKENIZER = ByteTokenizer()
 FILLER = TOKENIZER.encode("lorem ipsum dolor sit amet, " * 80)
@@ -84,7 +83,7 @@ def test_outputs():
     image = heat_map(scores, cell=4)
     assert image.shape == (3, 2 * 4, 2 * 4)
     assert image[1, 0, 0] == scores[0].accuracy and image[0, -1, 0] == 1 - scores[2].accuracy
-    values = scalars(scores)
+    values = passkey_scalars(scores)
     assert values["passkey/accuracy/len400"] == pytest.approx((scores[2].accuracy + scores[3].accuracy) / 2)
     assert values["passkey/accuracy"] == pytest.approx(sum(s.accuracy for s in scores) / 4)
     assert table(scores).splitlines()[2].startswith("| 200 |")
@@ -115,7 +114,7 @@ def test_training_logs_passkey_scores_and_the_heat_map(tmp_path):
     tags = {}
     images = set()
     for event_file in event_files(tmp_path):
-        tags.update(tb_scalars(event_file))
+        tags.update(scalars(event_file))
         images |= {v.tag for e in EventFileLoader(str(event_file)).Load() for v in e.summary.value
                    if v.metadata.plugin_data.plugin_name == "images" or v.HasField("image")}
     for length in (128, 256):  # doubling from min_length up to data.seq_len
