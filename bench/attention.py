@@ -4,11 +4,13 @@
     python bench/attention.py --seq-lens 8192 --groups
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
     python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
+    python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention (--cmp-backend: Triton, or FlashAttention-4 over
   queries packed as heads), selection (scores + top-n, forward only: not differentiated), selected attention (n=16
-  random valid blocks), sliding window (--window-backend: FlexAttention by default, or FlashAttention-4); the FA4
+  random valid blocks; eager, compiled, and fla's selected kernels on the same blocks), sliding window
+  (--window-backend: FlexAttention by default, or FlashAttention-4); the FA4
   backwards are deterministic unless --float-atomics;
 - `NSA triton backend`: the whole core (all of the above plus gating); compressed keys/values are inputs; eager,
   and `compiled` (torch.compile, fullgraph, the window mask built once outside, as the model runs it: the gating,
@@ -29,6 +31,7 @@ import argparse
 import dataclasses
 import importlib.util
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +104,46 @@ def nsa_core(inputs: list[Tensor]):
     return lambda: compiled_nsa(*inputs, mask)
 
 
+compiled_selected = torch.compile(selected_attention, fullgraph=True, dynamic=False)
+
+
+def selected_functions(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Callable[[], Tensor]]:
+    """The selected branch alone on random valid blocks: ours eager (its work lists built by torch ops one launch
+    at a time), ours compiled (as the model runs it: the work lists fused by inductor), and, where fla is
+    installed and G >= 16, fla's selected-attention kernels (`ParallelNSAFunction`) on the same blocks."""
+    B, T, HQ, _ = q.shape
+    H, block = k.shape[2], NSA.sel_block_size
+    idx = random_block_indices(B, H, T, NSA.n_selected, block, q.device)
+    functions = {"selected (triton)": lambda: selected_attention(q, k, v, idx, block),
+                 "selected (triton), compiled": lambda: compiled_selected(q, k, v, idx, block)}
+    if importlib.util.find_spec("fla") is not None and HQ // H >= 16:
+        from fla.ops.nsa.parallel import ParallelNSAFunction
+
+        fla_idx = idx.transpose(1, 2).contiguous()  # [B, T, H, n]; fla skips the -1 padding as ours does
+        scale = q.shape[-1] ** -0.5
+        functions["fla selected (ParallelNSAFunction)"] = lambda: ParallelNSAFunction.apply(
+            q, k, v, fla_idx, NSA.n_selected, block, scale, None)
+    return functions
+
+
+def selected_rows(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, float | str, float | str]]:
+    return [(name, *time_ms(fn, [q, k, v])) for name, fn in selected_functions(q, k, v).items()]
+
+
+def gpu_kernel_ms(fn, grad_inputs: list[Tensor], repeats: int = 5) -> float:
+    """GPU time of one fn() forward + backward: the sum of its kernels' durations (torch.profiler), without the
+    host's launch gaps that wall-clock timers count at small sizes."""
+    cotangent = torch.randn_like(fn())
+    fn().backward(cotangent)  # warm (compiles, autotunes)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn().backward(cotangent)
+        torch.cuda.synchronize()
+    for x in grad_inputs:
+        x.grad = None
+    return sum(e.device_time_total for e in prof.key_averages()) / 1e3 / repeats
+
+
 def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, float | str, float | str]]:
     device = torch.device("cuda")
     inputs = nsa_inputs(B, T, HQ, H, D)
@@ -113,10 +156,8 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
         lse = compressed_attention(q, k_cmp, v_cmp, NSA, scale)[1]
     rows.append(("selection: scores + top-n (triton)", *time_ms(
         lambda: select_topn(q, k_cmp, lse, *cmp, NSA.sel_block_size, NSA.n_selected, scale)[0], [], False)))
-    idx = random_block_indices(B, H, T, NSA.n_selected, NSA.sel_block_size, device)
-    rows.append(("selected (triton)",
-                 *time_ms(lambda: selected_attention(q, k, v, idx, NSA.sel_block_size), [q, k, v])))
-    idx = lse = None  # free them before the next rows
+    rows += selected_rows(q, k, v)
+    lse = None  # free it before the next rows
     rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
@@ -207,6 +248,13 @@ def kernel_resources() -> str:
     return "\n".join(lines) + "\n"
 
 
+SELECTED_NAMES = ["selected (triton)", "selected (triton), compiled", "fla selected (ParallelNSAFunction)"]
+
+
+def _ms(x: float | str) -> str:
+    return x if isinstance(x, str) else f"{x:.3f}"
+
+
 def ratio(a: float | str, b: float | str) -> str:
     return f"{a / b:.3f}" if isinstance(a, float) and isinstance(b, float) else "n/a"
 
@@ -234,6 +282,8 @@ def main() -> None:
     parser.add_argument("--float-atomics", action="store_true",
                         help="the FA4 backwards with float atomics (model.nsa.float_atomics; FA4 window or "
                              "compressed branch only)")
+    parser.add_argument("--selected", action="store_true",
+                        help="only the selected branch: ours eager and compiled, and fla's kernels (G >= 16)")
     parser.add_argument("--profile", action="store_true",
                         help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
@@ -255,6 +305,16 @@ def main() -> None:
           f"D={D} bf16, window {args.window_backend}, compressed {args.cmp_backend}"
           f"{', float atomics' if args.float_atomics else ''}, ms",
           flush=True)
+    if args.selected:  # per T and function: wall-clock fwd / fwd+bwd, and the fwd+bwd's GPU kernel time
+        print("\n| T | " + " | ".join(f"{name}: fwd / fwd+bwd / kernels" for name in SELECTED_NAMES) + " |\n|---|"
+              + "---|" * len(SELECTED_NAMES))
+        for T in args.seq_lens:
+            q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
+            times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]))
+                     for name, fn in selected_functions(q, k, v).items()}
+            print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 3))
+                                          for name in SELECTED_NAMES) + " |", flush=True)
+        return
     for T in args.seq_lens:
         rows = bench_length(T, args.batch, HQ, H, D)
         print(f"\n| T={T} | fwd | fwd+bwd |\n|---|---|---|")

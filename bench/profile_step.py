@@ -59,8 +59,11 @@ def read_trace(folder: Path) -> list[dict]:
     return json.loads(traces[-1].read_text())["traceEvents"]
 
 
-def summarize(events: list[dict], n_layers: int) -> str:
-    steps = [e for e in events if e.get("ph") == "X" and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))]
+def summarize(events: list[dict], n_layers: int, top: int = 20) -> str:
+    # The host's step spans only: Kineto also writes each ProfilerStep on the GPU timeline (cat
+    # "gpu_user_annotation"), and counting those too halved every per-step figure.
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"
+             and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     launches = [e for e in events if e.get("ph") == "X" and e.get("name") in LAUNCHES]
     n = len(steps)
@@ -82,8 +85,8 @@ def summarize(events: list[dict], n_layers: int) -> str:
              "| kernel family | GPU ms / step | share | launches / step | per block |", "|---|---|---|---|---|"]
     for name, (ms, count) in sorted(by_family.items(), key=lambda kv: -kv[1][0]):
         lines.append(f"| {name} | {ms:.2f} | {ms / kernel_ms:.1%} | {count:.0f} | {count / n_layers:.1f} |")
-    lines += ["", "| kernel (top 20 by GPU time) | family | GPU ms / step | launches / step |", "|---|---|---|---|"]
-    for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
+    lines += ["", f"| kernel (top {top} by GPU time) | family | GPU ms / step | launches / step |", "|---|---|---|---|"]
+    for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         short = name if len(name) <= 70 else name[:67] + "..."
         lines.append(f"| `{short}` | {family(name)} | {ms:.3f} | {count:.0f} |")
     return "\n".join(lines) + "\n"
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-micro-batch", type=int, default=32768)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5, help="steps before the profiled ones (compilation)")
+    parser.add_argument("--top", type=int, default=20, help="kernels listed by GPU time")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe override")
     parser.add_argument("--out", type=Path, default=Path("runs/profile_step"))
     args = parser.parse_args(argv)
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     config = subprocess.run([*command, "--print-config"], cwd=ROOT, capture_output=True, text=True).stdout
     n_layers = int(re.search(r"^n_layers = (\d+)", config, re.M).group(1))
     report = (f"## {args.recipe} at T = {args.seq_len} ({args.tokens_per_micro_batch:,} tokens per step)\n\n"
-              + summarize(read_trace(args.out / "run" / "profile"), n_layers))
+              + summarize(read_trace(args.out / "run" / "profile"), n_layers, args.top))
     print(report)
     (args.out / "profile.md").write_text(report)
     return 0

@@ -181,10 +181,12 @@ class CompileConfig:
     """Compile each transformer block separately (fast compile, reused graph) or the whole model."""
     fullgraph: bool = True
     """Fail on any graph break instead of silently splitting the graph."""
-    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    mode: Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "auto"
     """Inductor mode. `reduce-overhead` replays each compiled graph as a CUDA graph (one launch instead of one per
-    kernel: for steps where the host's launch work, not the GPU, is the limit); `max-autotune` also benchmarks
-    GEMM candidates (minutes of compile), with CUDA graphs; `max-autotune-no-cudagraphs` without them."""
+    kernel: an NSA block launches ~2.6x the kernels of a dense one, and at 2k a host enqueues them more slowly
+    than an H100 runs them); `max-autotune` also benchmarks GEMM candidates (minutes of compile), with CUDA graphs;
+    `max-autotune-no-cudagraphs` without them. `auto`: `reduce-overhead` where the plan allows CUDA graphs (a CUDA
+    device, one process or DDP), else `default` (CPU, FSDP2 / HSDP); set `default` to turn CUDA graphs off."""
 
 
 @dataclass

@@ -57,6 +57,7 @@ from parallelisms import (
     compile_loss,
     parallelize,
     prepare_micro_batch,
+    resolve_compile_mode,
 )
 
 VOCAB_MULTIPLE = 64  # model.vocab_size = 0 rounds the tokenizer's vocabulary up to this: tensor-core friendly GEMMs
@@ -127,6 +128,9 @@ class Trainer:
     def _build_process_group(self) -> None:
         config = self.config
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        config.compile = resolve_compile_mode(config.compile, device_type=self.device.type,
+                                              data_parallel=config.parallelism.data_parallel,
+                                              world_size=self.world_size)
         check_plan(config.parallelism, config.activation_checkpoint, config.compile, config.float8,
                    world_size=self.world_size, device_type=self.device.type, gpu_capability=capability)
         backend = config.parallelism.dist_backend
@@ -240,7 +244,8 @@ class Trainer:
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "
-                    f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}")
+                    f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}"
+                    + (f", compile mode {self.config.compile.mode}" if self.config.compile.enable else ""))
         return model
 
     # -- optimizer ----------------------------------------------------------------------------------------------

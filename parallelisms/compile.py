@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -14,9 +15,23 @@ from nsa_training.config import CompileConfig
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def resolve_compile_mode(cfg: CompileConfig, *, device_type: str, data_parallel: str,
+                         world_size: int) -> CompileConfig:
+    """`cfg` with mode `auto` made concrete: `reduce-overhead` (CUDA graphs) where the plan allows them, on CUDA
+    with one process or DDP; `default` on other devices and under FSDP2 / HSDP, whose per-step all-gathers into new
+    storage CUDA graphs cannot replay (`check_data_parallel`). Any other mode is returned as it is."""
+    if cfg.mode != "auto":
+        return cfg
+    graphs = device_type == "cuda" and (world_size == 1 or data_parallel == "ddp")
+    return dataclasses.replace(cfg, mode="reduce-overhead" if graphs else "default")
+
+
 def _compile(fn: Callable, cfg: CompileConfig) -> Callable:
     # dynamic=False: shapes are fixed per run (static shapes give the best kernels); a new shape just recompiles.
-    return torch.compile(fn, fullgraph=cfg.fullgraph, mode=cfg.mode, dynamic=False)
+    # An unresolved `auto` (a caller that knows no plan) compiles as `default`: CUDA graphs only where the plan
+    # says they are safe (the trainer resolves `auto` first).
+    mode = "default" if cfg.mode == "auto" else cfg.mode
+    return torch.compile(fn, fullgraph=cfg.fullgraph, mode=mode, dynamic=False)
 
 
 def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:

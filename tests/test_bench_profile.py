@@ -24,6 +24,7 @@ def test_summary_of_two_steps():
     events = []
     for start in (0, 10_000):  # two steps of 10 ms: 3 launches each, the last ending 6 ms in
         events.append(x("ProfilerStep#6", start, 10_000, "user_annotation"))
+        events.append(x("ProfilerStep#6", start + 2000, 7000, "gpu_user_annotation"))  # the GPU's copy: not a step
         events += [x("cudaLaunchKernel", start + 1000 * i, 500, "cuda_runtime") for i in range(1, 6, 2)]
         events += [x("sm90_xmma_gemm_bf16", start + 2000, 2000), x("_fwd_kernel", start + 3000, 2000),
                    x("triton_poi_fused_add_0", start + 7000, 1000)]

@@ -103,7 +103,7 @@ BAD_INPUT = [
     ("[compile]\nenable = 1\n", [], "compile.enable = 1: expected true or false"),
     ("[job]\nrun_dir = 5\n", [], "job.run_dir = 5: expected a string"),
     (None, ["--compile.mode", "fast"],
-     "compile.mode = 'fast': expected one of 'default', 'reduce-overhead', 'max-autotune', "
+     "compile.mode = 'fast': expected one of 'auto', 'default', 'reduce-overhead', 'max-autotune', "
      "'max-autotune-no-cudagraphs'"),
     (None, ["--training.steps", "0"], "training.steps = 0: must be > 0"),
     (None, ["--optimizer.lr", "-1e-3"], "optimizer.lr = -0.001: must be > 0"),

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
 from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig  # noqa: E402
-from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters  # noqa: E402
+from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters, resolve_compile_mode  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches, train_losses  # noqa: E402
 from tests.helpers import needs_flash_attn_4  # noqa: E402
 
@@ -293,6 +293,25 @@ def test_check_plan_rejects(kwargs, key):
 ])
 def test_check_plan_accepts(kwargs):
     check_plan(**kwargs)
+
+
+@pytest.mark.parametrize("device_type, data_parallel, world_size, mode, want", [
+    ("cuda", "fsdp", 1, "auto", "reduce-overhead"),  # one process: no data parallelism applied
+    ("cuda", "ddp", 2, "auto", "reduce-overhead"),
+    ("cuda", "fsdp", 2, "auto", "default"),  # FSDP2's all-gathers: no CUDA graphs
+    ("cuda", "hsdp", 4, "auto", "default"),
+    ("cpu", "ddp", 1, "auto", "default"),
+    ("cuda", "ddp", 2, "default", "default"),  # a recipe's explicit mode stays
+    ("cpu", "ddp", 1, "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
+])
+def test_auto_compile_mode_uses_cuda_graphs_where_the_plan_allows(device_type, data_parallel, world_size, mode,
+                                                                   want):
+    resolved = resolve_compile_mode(CompileConfig(enable=True, mode=mode), device_type=device_type,
+                                    data_parallel=data_parallel, world_size=world_size)
+    assert resolved.mode == want
+    parallelism = ParallelismConfig(data_parallel=data_parallel, dp_replicate=2 if data_parallel == "hsdp" else 1)
+    check_plan(parallelism, ActivationCheckpointConfig(), resolved, Float8Config(), world_size=world_size,
+               device_type=device_type, gpu_capability=(9, 0))  # what it resolves to is a valid plan
 
 
 def test_model_package_does_not_import_parallelisms():

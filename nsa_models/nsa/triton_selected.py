@@ -13,10 +13,11 @@ Two layouts for the forward and dQ, chosen from the static shapes by `_key_major
   TMA, except in packed tiles that compare block lists). dQ: same tiles, recomputing the probabilities from the
   log-sum-exp; or, where a tile's union is wide (`_dq_by_key_blocks`), the key-block-major dQ terms below.
 - Key-block-major (Flash Sparse Attention's order; G < 16 with many blocks): one program per work item, a key
-  block with up to `_ITEM_QUERIES` of the queries that chose it, all their G heads as rows. The forward writes
-  each (query row, chosen block) pair's normalised output and log-sum-exp into the pair's slot, and a second
-  kernel merges a row's slots; the backward's dK/dV kernel also writes each pair's dQ term, summed per row the
-  same way. The work is exactly the chosen pairs, whatever the queries of a tile would have chosen.
+  block with up to `_ITEM_QUERIES` of the queries that chose it (fewer in small calls: `_item_queries`), all
+  their G heads as rows. The forward writes each (query row, chosen block) pair's normalised output and
+  log-sum-exp into the pair's slot, and a second kernel merges a row's slots; the backward's dK/dV kernel also
+  writes each pair's dQ term, summed per row the same way. The work is exactly the chosen pairs, whatever the
+  queries of a tile would have chosen.
 dK/dV (both layouts): without float atomics, so that the result is bitwise reproducible. A reverse index (key
 block -> the queries that chose it, ascending) is built with torch ops and cut into those work items, so that
 block 0 (chosen by every query) does not serialise the kernel; each item writes fp32 partial sums and a second
@@ -40,6 +41,11 @@ from nsa_models.nsa.triton_common import LOG2E, load_head_rows, load_rows, onlin
 # G = 3 D = 64 4.07 -> 3.53 ms, 4 x 8k G = 3 3.62 -> 3.35, 1 x 64k G = 3 8.06 -> 6.95, 32k G = 1 D = 128 44.4 -> 39.0,
 # G = 4 31.1 -> 29.4, 64k G = 16 52.5 -> 52.3, 8k G = 16 6.15 -> 6.22; 2048 and up lost at G = 3 and 8k G = 16.
 _ITEM_QUERIES = 1024
+# A call with few (query, slot) pairs (one short sequence) cuts its items smaller, down to _ITEM_QUERIES_MIN, so
+# that it has about _MIN_ITEMS of them: with 1024-pair items, the items of block 0 and of the recent blocks (which
+# every query chose) are a few long programs that the rest of the GPU waits for (`_item_queries`).
+_MIN_ITEMS = 1024
+_ITEM_QUERIES_MIN = 64
 _ITEM_ROWS = 64  # rows (queries x heads) per step of a key-block work item
 # Rows per step of the dK/dV kernel with the dQ term at G >= 3 and D > 64. Measured (H200, D = 128, bwd op, 64 ->
 # 128 rows on 8 warps): G = 4 (32k) 27.87 -> 23.12 ms, G = 8 (32k) 26.00 -> 22.07; G = 2 even (30.97 / 31.03) and
@@ -450,6 +456,13 @@ def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_co
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+def _item_queries(pairs: int) -> int:
+    """(query, slot) entries per work item for a call of `pairs` entries: _ITEM_QUERIES, or fewer (a power of two,
+    _ITEM_QUERIES_MIN at least) when that would give fewer than _MIN_ITEMS items. A static function of the shapes:
+    one graph per shape, as ever."""
+    return min(_ITEM_QUERIES, max(_ITEM_QUERIES_MIN, triton.next_power_of_2(max(1, pairs // _MIN_ITEMS))))
+
+
 def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Work items over (batch, KV head, key block) -> the (query, slot) pairs that chose the block, in ascending
     query order (a query's chosen blocks must be distinct, as the selection gives them).
@@ -475,14 +488,15 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
     query_slot = order % (T * n)
     # Segment s holds the entries [bounds[s], bounds[s + 1]).
     bounds = torch.searchsorted(key, (torch.arange(n_segs + 1, device=device) * T).to(dtype))
-    n_items = (bounds[1:] - bounds[:-1] + _ITEM_QUERIES - 1) // _ITEM_QUERIES
+    per_item = _item_queries(key.numel())
+    n_items = (bounds[1:] - bounds[:-1] + per_item - 1) // per_item
     seg_items = torch.cat([n_items.new_zeros(1), torch.cumsum(n_items, 0)])
     # Each non-empty segment has one partial item at most: no more than this many items, whatever was chosen.
-    max_items = min(n_segs, key.numel()) + key.numel() // _ITEM_QUERIES
+    max_items = min(n_segs, key.numel()) + key.numel() // per_item
     item = torch.arange(max_items, device=device)
     item_seg = (torch.searchsorted(seg_items, item, right=True) - 1).clamp_(max=n_segs - 1)
-    item_start = bounds[item_seg] + (item - seg_items[item_seg]) * _ITEM_QUERIES
-    item_end = torch.where(item < seg_items[-1], torch.minimum(item_start + _ITEM_QUERIES, bounds[item_seg + 1]),
+    item_start = bounds[item_seg] + (item - seg_items[item_seg]) * per_item
+    item_end = torch.where(item < seg_items[-1], torch.minimum(item_start + per_item, bounds[item_seg + 1]),
                            item_start)
     return torch.stack([item_seg, item_start, item_end]), query_slot, seg_items
 
