@@ -53,6 +53,7 @@ from nsa_models.nsa.triton_selected import selected_attention
 NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512, backend="triton")
 FLEX_WINDOW = dataclasses.replace(NSA, window_backend="flex")  # fla's window (the spec's comparison), whatever NSA's
 CORE = "NSA triton backend, compiled"
+DOCUMENTS: list[int] = []  # --documents: also the compiled core with document masking, per document count
 
 
 def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str) -> Tensor:
@@ -91,17 +92,28 @@ def nsa_inputs(B: int, T: int, HQ: int, H: int, D: int) -> list[Tensor]:
     return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
 
 
-def run_nsa(q, k, v, k_cmp, v_cmp, gates, window_mask: BlockMask | None = None) -> Tensor:
-    return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates.sigmoid(), NSA, window_mask=window_mask)[0]
+def run_nsa(q, k, v, k_cmp, v_cmp, gates, window_mask: BlockMask | None = None,
+            doc_start: Tensor | None = None) -> Tensor:
+    return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates.sigmoid(), NSA, window_mask=window_mask,
+                      doc_start=doc_start)[0]
 
 
 compiled_nsa = torch.compile(run_nsa, fullgraph=True, dynamic=False)
 
 
-def nsa_core(inputs: list[Tensor]):
-    """The compiled whole core on these inputs, as a function of nothing (for the timers)."""
-    mask = window_mask(inputs[0].shape[1], NSA, inputs[0].device)  # as `Transformer.forward` builds it
-    return lambda: compiled_nsa(*inputs, mask)
+def nsa_core(inputs: list[Tensor], doc_start: Tensor | None = None):
+    """The compiled whole core on these inputs (with document masking when doc_start is given), as a function of
+    nothing (for the timers)."""
+    mask = window_mask(inputs[0].shape[1], NSA, inputs[0].device, doc_start)  # as `Transformer.forward` builds it
+    return lambda: compiled_nsa(*inputs, mask, doc_start)
+
+
+def equal_documents(B: int, T: int, n_docs: int, device: torch.device | str) -> Tensor:
+    """doc_start [B, T] int32 of n_docs documents of equal length per row, each starting on a selection block (as
+    the data pipeline aligns them under document masking)."""
+    step = max(NSA.sel_block_size, T // n_docs // NSA.sel_block_size * NSA.sel_block_size)
+    t = torch.arange(T, device=device)
+    return (torch.clamp(t // step, max=n_docs - 1) * step).to(torch.int32).expand(B, T).contiguous()
 
 
 compiled_selected = torch.compile(selected_attention, fullgraph=True, dynamic=False)
@@ -161,6 +173,9 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
+    for n_docs in DOCUMENTS:
+        rows.append((f"{CORE}, {n_docs} document{'s' if n_docs > 1 else ''} masked",
+                     *time_ms(nsa_core(inputs, equal_documents(B, T, n_docs, device)), inputs)))
 
     qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
     ke, ve = (x.detach().repeat_interleave(HQ // H, dim=1).requires_grad_() for x in (kh, vh))
@@ -282,6 +297,9 @@ def main() -> None:
     parser.add_argument("--float-atomics", action="store_true",
                         help="the FA4 backwards with float atomics (model.nsa.float_atomics; FA4 window or "
                              "compressed branch only)")
+    parser.add_argument("--documents", type=int, nargs="*", default=[], metavar="N",
+                        help="also time the compiled core with document masking: N equal documents per row (1: "
+                             "the masking's own cost)")
     parser.add_argument("--selected", action="store_true",
                         help="only the selected branch: ours eager and compiled, and fla's kernels (G >= 16)")
     parser.add_argument("--profile", action="store_true",
@@ -292,6 +310,7 @@ def main() -> None:
     # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
+    DOCUMENTS[:] = args.documents
     # before the core compiles
     NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
     try:  # the recipe's rules for these keys (--float-atomics needs an atomic backward) and their packages
@@ -326,6 +345,9 @@ def main() -> None:
         print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name['SDPA cuDNN (dense)'])}; "
               f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
               f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
+        for name, _, fwd_bwd in rows:
+            if name.startswith(f"{CORE}, "):
+                print(f"{name.removeprefix(CORE + ', ')} / unmasked (fwd+bwd) = {ratio(fwd_bwd, nsa)}", flush=True)
         if args.profile:
             inputs = nsa_inputs(args.batch, T, HQ, H, D)
             print(f"\nwhere one fwd+bwd of the NSA core spends its time, T={T}:\n"

@@ -1,8 +1,8 @@
 """Run train.py once per cell of a grid of overrides and compare compile time, throughput, memory and loss.
 
     python bench/compile_sweep.py recipes/nsa_125m.toml --grid compile.mode=default,max-autotune \
-        --grid activation_checkpoint.mode=none,full --set data.source=synthetic --steps 20 --warmup 5 \
-        --devices 0 1 2 3
+        --grid activation_checkpoint.mode=none,full --set data.source=synthetic --set data.document_mask=false \
+        --steps 20 --warmup 5 --devices 0 1 2 3
     python bench/compile_sweep.py recipes/nsa_125m_fsdp2.toml --grid compile.enable=false,true \
         --launcher "NGPU=2 ./run.sh"
 

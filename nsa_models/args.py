@@ -51,6 +51,11 @@ class NSAArgs:
     deterministic. The Triton kernels have no atomic variant (measured slower, docs/KERNELS.md)."""
     query_chunk: int = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
+    window_only: bool = False
+    """Ablation: the attention is the sliding-window branch alone (its gate times its output); the compressed and
+    selected branches get gate 0, so they add nothing and learn nothing (they still run: a step costs what NSA's
+    does). Every parameter stays, so an NSA run and its window-only twin differ in this key alone
+    (recipes/retrieval_nsa.toml). Any backend."""
 
     def cmp_hidden(self, head_dim: int) -> int:
         """Hidden width of the `mlp` phi."""

@@ -8,12 +8,13 @@ per-block wrapping address them by stable names. `__init__` only allocates (it w
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
@@ -28,12 +29,68 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device |
 
 
 def apply_rope(x: Tensor, cache: Tensor) -> Tensor:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x [B, T, heads, D] by the positions' angles."""
-    T = x.shape[1]
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x [B, T, heads, D] by the positions' angles. cache: the table
+    (positions 0 .. T-1) or per-token rows [B, T, head_dim // 2, 2] (`Transformer.forward` with documents)."""
+    if cache.dim() == 3:
+        cache = cache[:x.shape[1]]
     xr = x.float().unflatten(-1, (-1, 2))
-    cos, sin = cache[:T, None, :, 0], cache[:T, None, :, 1]
+    cos, sin = cache[..., None, :, 0], cache[..., None, :, 1]
     out = torch.stack([xr[..., 0] * cos - xr[..., 1] * sin, xr[..., 1] * cos + xr[..., 0] * sin], dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+FLEX_BLOCK = 128  # FlexAttention's default tile: queries and keys per block of a BlockMask
+
+
+def document_alignment(args: ModelArgs) -> int:
+    """Packed documents must start at multiples of this (`doc_start`): NSA's selection block, so that every
+    compressed and selection block of a document is a block of the row (l' is a multiple of d) and no selected block
+    straddles two documents; 1 for dense attention."""
+    return args.nsa.sel_block_size if args.attention == "nsa" else 1
+
+
+def document_mask(doc_start: Tensor) -> BlockMask | Tensor:
+    """The dense baseline's mask for packed documents, where query t sees keys doc_start[b, t] .. t: on CUDA the
+    FlexAttention `document_block_mask`; elsewhere a boolean [B, 1, T, T] mask for SDPA, as FlexAttention has no CPU
+    backward (CPU runs are small). Build it once per forward, outside the blocks."""
+    if doc_start.device.type == "cuda":
+        return document_block_mask(doc_start)
+    t = torch.arange(doc_start.shape[1], device=doc_start.device)
+    return ((t[None, :] <= t[:, None]) & (t[None, None, :] >= doc_start[..., None]))[:, None]
+
+
+def document_block_mask(doc_start: Tensor) -> BlockMask:
+    """FlexAttention BlockMask of keys doc_start[b, t] .. t, built from each query block's lowest and highest
+    doc_start: O(B (T/128)^2) memory, never the T x T mask."""
+    B, T = doc_start.shape
+    n = -(-T // FLEX_BLOCK)
+    rows = torch.cat([doc_start, doc_start[:, -1:].expand(B, n * FLEX_BLOCK - T)], 1).view(B, n, FLEX_BLOCK)
+    lowest, highest = rows.amin(-1)[..., None], rows.amax(-1)[..., None]  # [B, Nq, 1] over each query block
+    blocks = torch.arange(n, device=doc_start.device)
+    q_block, kv_block = blocks[:, None], blocks[None, :]
+    kv_first = kv_block * FLEX_BLOCK
+    # Some (query, key) pair visible: the diagonal, or an earlier key block that reaches the block's first document.
+    some = (kv_block == q_block) | ((kv_block < q_block) & (kv_first + FLEX_BLOCK - 1 >= lowest))
+    every = (kv_block < q_block) & (kv_first >= highest)  # every key after every query's document start
+
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (kv_idx >= doc_start[b, q_idx])
+
+    return BlockMask.from_kv_blocks(*_ordered(some & ~every), *_ordered(every), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, Nq, Nkv] bool -> a BlockMask's (count [B, 1, Nq], indices [B, 1, Nq, Nkv]) of the True blocks, in order."""
+    blocks = blocks.to(torch.int32)
+    order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+    return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention is fused (O(T) memory) only when compiled: eager callers (an uncompiled model) use this."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class Compression(nn.Module):
@@ -69,7 +126,7 @@ class Compression(nn.Module):
 
 
 class DenseAttention(nn.Module):
-    """Causal GQA attention through SDPA: the baseline twin."""
+    """Causal GQA attention through SDPA (with packed documents: `document_mask`): the baseline twin."""
 
     def __init__(self, args: ModelArgs, kv_sets: int = 1):
         super().__init__()
@@ -80,15 +137,22 @@ class DenseAttention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_sets * args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | Tensor | None = None,
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor).
-        window_mask (NSA's) is not used."""
+        mask: `document_mask` with packed documents, None for causal attention; doc_start is NSA's (the mask
+        carries the documents here)."""
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True)
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if isinstance(mask, BlockMask):
+            flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+            # contiguous: Inductor's CPU lowering of flex_attention fails on the rotated views (torch 2.13: "too
+            # many values to unpack").
+            out = flex(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1)), x.new_zeros(0, dtype=torch.float32)
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -111,8 +175,10 @@ class NSAAttention(DenseAttention):
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`); window_mask: `nsa.window_mask`."""
+    def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | None = None,
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`); mask: `nsa.window_mask`; doc_start:
+        int32 [B, T] first position of each token's document, or None."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
@@ -121,9 +187,11 @@ class NSAAttention(DenseAttention):
         cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
         k_cmp, v_cmp = self.compress_k(k[cmp]), self.compress_v(v[cmp])
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
+        if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
+            gates = F.pad(gates[..., 2:], (2, 0))
         out, block_indices, cmp_entropy = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
-                                                        self.nsa, window_mask=window_mask)
-        return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa)
+                                                        self.nsa, window_mask=mask, doc_start=doc_start)
+        return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa, doc_start)
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)
@@ -162,10 +230,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, rope: Tensor, window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | Tensor | None = None,
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Output [B, T, dim] and the attention's telemetry, returned rather than stored: a side effect inside an
-        activation-checkpointed compiled block fails in Dynamo."""
-        out, stats = self.attention(self.attention_norm(x), rope, window_mask)
+        activation-checkpointed compiled block fails in Dynamo. rope, mask, doc_start: as `Transformer.forward`
+        passes them."""
+        out, stats = self.attention(self.attention_norm(x), rope, mask, doc_start)
         h = x + out
         return h + self.feed_forward(self.ffn_norm(h)), stats
 
@@ -211,14 +281,24 @@ class Transformer(nn.Module):
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, std=self.args.dim ** -0.5)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`."""
+    def forward(self, tokens: Tensor, doc_start: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`.
+
+        doc_start: int32 [B, T], the position of each token's document's first token (packed documents,
+        `data.document_mask`): each document then gets the outputs it would get alone. None: one sequence per row.
+        """
         h = self.tok_embeddings(tokens)
-        # Built here, outside the (possibly checkpointed) blocks, and shared by all of them.
-        mask = window_mask(tokens.shape[1], self.args.nsa, tokens.device) if self.args.attention == "nsa" else None
+        T = tokens.shape[1]
+        # RoPE positions restart at each document: rows t - doc_start of the table, a gather (no data-dependent shape).
+        rope = self.rope if doc_start is None else self.rope[torch.arange(T, device=tokens.device) - doc_start]
+        # Masks are built here, outside the (possibly checkpointed) blocks, and shared by all of them.
+        if self.args.attention == "nsa":
+            mask = window_mask(T, self.args.nsa, tokens.device, doc_start=doc_start)
+        else:
+            mask = None if doc_start is None else document_mask(doc_start)
         layer_stats = []
         for block in self.layers.values():
-            h, stats = block(h, self.rope, mask)
+            h, stats = block(h, rope, mask, doc_start)
             layer_stats.append(stats)
         self.nsa_stats = torch.stack(layer_stats)
         return self.output(self.norm(h))

@@ -55,8 +55,10 @@ class JobConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """`embedded` (the corpus shipped with the repo), `synthetic` (seeded random tokens, for benchmarks), a
-    local file or folder of .jsonl/.json/.parquet/.txt files, or `hf://NAME` to stream a hub dataset."""
+    """`embedded` (the corpus shipped with the repo), `synthetic` (seeded random tokens, for benchmarks),
+    `passkey` (embedded text, each training row hiding one key that its end asks for; evaluation reads the plain
+    held-out text: nsa_training/passkey_data.py), a local file or folder of .jsonl/.json/.parquet/.txt files, or
+    `hf://NAME` to stream a hub dataset."""
     hf_config: str = ""
     """Configuration name of a hub dataset (`hf://` sources only)."""
     split: str = "train"
@@ -71,6 +73,11 @@ class DataConfig:
     """`byte` (UTF-8 bytes + EOS, no download) or the path of a HuggingFace `tokenizers` JSON file."""
     seq_len: int = field(default=256, metadata={"gt": 0})
     """Tokens per training sequence; documents are packed with an EOS separator into seq_len+1 windows."""
+    document_mask: bool = False
+    """Treat each packed document as its own sequence: attention stops at its start, RoPE positions restart, and
+    for NSA its compressed and selection blocks start with it. Under NSA each document starts at a multiple of
+    model.nsa.sel_block_size (the gap is padding, which the loss skips); one longer than the rest of a row continues
+    on the next. Needs a source with documents (not `synthetic`)."""
 
 
 @dataclass
@@ -402,6 +409,12 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError(f"parallelism.dp_replicate = {config.parallelism.dp_replicate} needs "
                           f"parallelism.data_parallel = 'hsdp' (it is {config.parallelism.data_parallel!r}); "
                           "set it or use dp_replicate = 1")
+    if data.document_mask and data.source == "synthetic":
+        raise ConfigError("data.document_mask = true needs documents, but data.source = 'synthetic' has none (random "
+                          "tokens, no boundaries): set data.document_mask = false or read real text")
+    if data.document_mask and data.source == "passkey":
+        raise ConfigError("data.document_mask = true would cut data.source = 'passkey' rows, each one haystack whose "
+                          "needle and question may lie in different documents: set data.document_mask = false")
     passkey = config.passkey
     if passkey.enable and passkey.min_length > data.seq_len:
         raise ConfigError(f"passkey.min_length = {passkey.min_length} exceeds data.seq_len = {data.seq_len}: "

@@ -3,10 +3,14 @@
 `data.source = "synthetic"` gives seeded random token ids and reads no documents; any other source is read by
 `nsa_training.documents` (HuggingFace `datasets`, imported only then: a synthetic run needs neither it nor
 pyarrow). Loaders run forever over epochs and resume exactly from `state_dict()`.
+
+With `data.document_mask` documents are not cut anywhere: each starts at a multiple of the model's alignment
+(`nsa_models.model.document_alignment`) and batches carry each token's document start (`DocumentLoader`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -20,11 +24,13 @@ if TYPE_CHECKING:
     from nsa_training.documents import DocumentStream
 
 Split = Literal["train", "eval"]
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+IGNORE_INDEX = -100  # the label of padding tokens: the loss skips it (F.cross_entropy's default ignore_index)
 
 
 class TokenBatchLoader(Protocol):
-    """Endless iterator of (inputs, labels) LongTensors [batch_size, seq_len]; labels are inputs shifted by one."""
+    """Endless iterator of (inputs, labels) LongTensors [batch_size, seq_len]; labels are inputs shifted by one.
+    With `data.document_mask`: (inputs, labels, doc_start), see `DocumentLoader`."""
 
     tokenizer: Tokenizer
 
@@ -38,8 +44,9 @@ class TokenBatchLoader(Protocol):
 
 
 def build_data_loader(cfg: DataConfig, *, split: Split, batch_size: int, dp_rank: int, dp_world_size: int,
-                      seed: int) -> TokenBatchLoader:
-    """The loader of this data-parallel rank for `split`; `seed` fixes the document order (or the random tokens)."""
+                      seed: int, doc_align: int = 1) -> TokenBatchLoader:
+    """The loader of this data-parallel rank for `split`; `seed` fixes the document order (or the random tokens).
+    With `data.document_mask` documents start at multiples of `doc_align` (the model's alignment)."""
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.source == "synthetic":
         return SyntheticLoader(tokenizer, cfg.seq_len, batch_size, seed=(seed, split == "eval"), dp_rank=dp_rank,
@@ -52,7 +59,16 @@ def build_data_loader(cfg: DataConfig, *, split: Split, batch_size: int, dp_rank
         raise ConfigError(f"data.source {cfg.source!r} needs the `{error.name}` package, which is not installed: "
                           "`pip install datasets`, or set data.source = 'synthetic'") from None
 
-    documents = DocumentStream(cfg, split=split, dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)
+    passkey = cfg.source == "passkey"  # haystacks of the embedded corpus (nsa_training.passkey_data)
+    documents = DocumentStream(dataclasses.replace(cfg, source="embedded") if passkey else cfg, split=split,
+                               dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)
+    if passkey and split == "train":  # the eval split stays plain held-out text: the [passkey] haystacks
+        from nsa_training.passkey_data import PasskeyLoader
+
+        return PasskeyLoader(PackedLoader(documents, tokenizer, cfg.seq_len, batch_size), cfg.seq_len,
+                             seed=(seed, dp_rank))
+    if cfg.document_mask:
+        return DocumentLoader(documents, tokenizer, cfg.seq_len, batch_size, doc_align)
     return PackedLoader(documents, tokenizer, cfg.seq_len, batch_size)
 
 
@@ -76,14 +92,18 @@ class PackedLoader:
         needed = self._batch_size * (self._seq_len + 1)
         chunks, available = [self._tokens], len(self._tokens)
         while available < needed:
-            ids = self.tokenizer.encode(next(self._documents))
-            ids.append(self.tokenizer.eos_id)
-            chunks.append(torch.tensor(ids, dtype=torch.long))
-            available += len(ids)
+            chunks.append(self._read_document())
+            available += len(chunks[-1])
         tokens = torch.cat(chunks)
         self._tokens = tokens[needed:]
         windows = tokens[:needed].view(self._batch_size, self._seq_len + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def _read_document(self) -> torch.Tensor:
+        """The next document's token ids, EOS appended."""
+        ids = self.tokenizer.encode(next(self._documents))
+        ids.append(self.tokenizer.eos_id)
+        return torch.tensor(ids, dtype=torch.long)
 
     def state_dict(self) -> dict:
         # A clone of the tokens: the view would pickle the whole concatenation.
@@ -92,6 +112,40 @@ class PackedLoader:
     def load_state_dict(self, state: dict) -> None:
         self._tokens = state["tokens"].clone()
         self._documents.load_state_dict(state)
+
+
+class DocumentLoader(PackedLoader):
+    """Packs whole documents for `data.document_mask`: (inputs, labels, doc_start) with doc_start int32
+    [batch_size, seq_len] the position of each token's document's first token in its row.
+
+    A document of n tokens (EOS included) gives n-1 (input, label) pairs, as the same tokens alone would. Each
+    starts at a multiple of `align` (the first at position 0); the gap before it is padding: input EOS, label
+    IGNORE_INDEX, doc_start that of the document before (so doc_start never decreases and padding never reaches a
+    later document). A document longer than the rest of its row continues at the start of the next row as a new
+    document. The state is the document stream's position and the tokens of the document being placed.
+    """
+
+    def __init__(self, documents: DocumentStream, tokenizer: Tokenizer, seq_len: int, batch_size: int, align: int):
+        super().__init__(documents, tokenizer, seq_len, batch_size)
+        self._align = align
+
+    def __next__(self) -> Batch:
+        shape, T = (self._batch_size, self._seq_len), self._seq_len
+        inputs = torch.full(shape, self.tokenizer.eos_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        doc_start = torch.zeros(shape, dtype=torch.int32)
+        for row in range(self._batch_size):
+            pos = 0
+            while pos < T:
+                if len(self._tokens) < 2:  # the document is placed (its last token was a label): the next one
+                    self._tokens = self._read_document()
+                n = min(len(self._tokens) - 1, T - pos)  # (input, label) pairs placed in this row
+                inputs[row, pos:pos + n] = self._tokens[:n]
+                labels[row, pos:pos + n] = self._tokens[1:n + 1]
+                doc_start[row, pos:] = pos
+                self._tokens = self._tokens[n:]  # its first token: the next input (or the last label)
+                pos = -(-(pos + n) // self._align) * self._align
+        return inputs, labels, doc_start
 
 
 class SyntheticLoader:

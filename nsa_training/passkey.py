@@ -53,7 +53,7 @@ def filler_tokens(loader: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int) -
     state = loader.state_dict()
     tokens: list[int] = []
     while len(tokens) < n:
-        inputs, _ = next(loader)
+        inputs = next(loader)[0]  # (inputs, labels[, doc_start])
         tokens += inputs.flatten().tolist()
     loader.load_state_dict(state)
     return tokens

@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]  # where train.py is: cells run there
 Overrides = dict[str, str]
 # e2e.py's and scaling.py's data unless --set says otherwise: random byte tokens (throughput does not depend on the
 # text) into the model with GPT-2's vocabulary (50304 rows), the one the 125M+ recipes' tokenizer gives and every
-# measured figure used, without needing the tokenizer's file.
-SYNTHETIC_DATA = ["data.source=synthetic", "data.tokenizer=byte", "model.vocab_size=50304"]
+# measured figure used, without needing the tokenizer's file. Random tokens have no documents to mask.
+SYNTHETIC_DATA = ["data.source=synthetic", "data.tokenizer=byte", "model.vocab_size=50304", "data.document_mask=false"]
 COLUMNS = ["status", "exit_code", "compile_s", "to_step1_s", "tokens_per_s", "mfu", "peak_mem_gib", "graph_breaks",
            "graphs_compiled", "recompiles", "cudagraph_skips", "final_loss", "error"]
 # What TORCH_LOGS=recompiles prints once per recompile (torch/_dynamo/guards.py).
@@ -223,11 +223,12 @@ def save_table(out: Path, stem: str, header: str, rows: list[dict], columns: lis
 
 def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, steps: int, warmup: int, out: Path,
           launcher: str = "", cell_timeout: float | None = None, keep_inductor_cache: bool = False,
-          devices: list[str] | None = None) -> list[dict]:
+          devices: list[str] | None = None, measure_only: bool = True) -> list[dict]:
     """Run every cell of the cartesian product of `axes` (each axis a list of override sets) and return one row
     per cell (its overrides and COLUMNS); also writes OUT/sweep.md, OUT/sweep.csv and the hparams events.
     With `devices` (CUDA_VISIBLE_DEVICES values, e.g. ["0", "1"] or ["0,1", "2,3"]), cells run concurrently, one
-    per device set."""
+    per device set. `measure_only` turns off each cell's evaluations and checkpoints; False keeps the recipe's (a
+    sweep whose runs are scored afterwards: bench/retrieval.py)."""
     if not 0 <= warmup < steps:
         raise ConfigError(f"--warmup {warmup}: must be >= 0 and < --steps ({steps}) so that steady steps remain")
     out = out.resolve()
@@ -241,9 +242,9 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
     cells = [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)]
     # Every grid key with its distinct values, in grid order: the columns, and the HParams tab's domains.
     domains = {key: list(dict.fromkeys(_as_number(cell[key]) for cell in cells)) for key in cells[0]}
-    fixed = {"training.steps": str(steps), "metrics.log_freq": "1", "metrics.tensorboard": "true",
-             # eval time would land in the next step's time; checkpoints and the export cost disk, not speed
-             "training.eval_interval": "0", "checkpoint.enable": "false", "checkpoint.export_weights": "false"}
+    fixed = {"training.steps": str(steps), "metrics.log_freq": "1", "metrics.tensorboard": "true"}
+    if measure_only:  # eval time would land in the next step's time; checkpoints and the export cost disk, not speed
+        fixed |= {"training.eval_interval": "0", "checkpoint.enable": "false", "checkpoint.export_weights": "false"}
 
     header = (f"Sweep of `{recipe}` ({steps} steps, medians after {warmup}; overrides "
               f"{' '.join(f'{k}={v}' for k, v in overrides.items()) or 'none'}), {time.strftime('%Y-%m-%d')}.\n"
@@ -319,10 +320,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: this Python on train.py")
 
 
-def sweep_from_args(args: argparse.Namespace, recipe: str, axes: list[list[Overrides]]) -> list[dict]:
+def sweep_from_args(args: argparse.Namespace, recipe: str, axes: list[list[Overrides]],
+                    measure_only: bool = True) -> list[dict]:
     """sweep() with the options of add_sweep_arguments; fills in args.out when it was not given."""
     args.out = args.out or REPO / "runs" / "sweeps" / f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = dict(parse_override(text, "--set") for text in args.set)
     return sweep(recipe, axes, overrides=overrides, steps=args.steps, warmup=args.warmup, out=args.out,
                  launcher=args.launcher, cell_timeout=args.cell_timeout, keep_inductor_cache=args.keep_inductor_cache,
-                 devices=args.devices)
+                 devices=args.devices, measure_only=measure_only)

@@ -22,12 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nsa_models.flops import flops_per_token
-from nsa_models.model import Transformer
+from nsa_models.model import Transformer, document_alignment
 from nsa_models.nsa import check_backend
 from nsa_models.telemetry import nsa_metrics
 from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
 from nsa_training.config import Config, ConfigError, config_to_dict, config_to_toml, load_config
-from nsa_training.data import build_data_loader
+from nsa_training.data import IGNORE_INDEX, build_data_loader
 from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_gib, peak_tflops
 from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from nsa_training.passkey import (
@@ -164,7 +164,8 @@ class Trainer:
         cfg, config = self.config.training, self.config
         dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
         self.grad_accum = grad_accum_steps(config, dp_size)
-        loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed)
+        loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed,
+                           doc_align=document_alignment(config.model))
         self.train_loader = build_data_loader(config.data, split="train", **loader_args)
         self.eval_loader = build_data_loader(config.data, split="eval", **loader_args) if cfg.eval_interval else None
         self._resolve_vocab_size(self.train_loader.tokenizer.vocab_size)
@@ -221,7 +222,8 @@ class Trainer:
         if self.config.model.attention != "nsa":
             return
         try:
-            check_backend(self.config.model.nsa, self.device, self.compute_dtype)
+            check_backend(self.config.model.nsa, self.device, self.compute_dtype,
+                          document_mask=self.config.data.document_mask)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -355,6 +357,11 @@ class Trainer:
         self.stop_signum = int(flags[1])
         return not flags[0]
 
+    def _next_batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loader's next (inputs, labels, doc_start) on this device; doc_start None without data.document_mask."""
+        inputs, labels, *doc_start = (t.to(self.device, non_blocking=True) for t in next(loader))
+        return inputs, labels, doc_start[0] if doc_start else None
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
         """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds, the
         LR this step used, whether the update was applied)."""
@@ -363,13 +370,13 @@ class Trainer:
         data_time, total = 0.0, torch.zeros((), device=self.device)
         for micro_batch in range(self.grad_accum):
             start = time.perf_counter()
-            inputs, labels = (t.to(self.device, non_blocking=True) for t in next(self.train_loader))
+            inputs, labels, doc_start = self._next_batch(self.train_loader)
             data_time += time.perf_counter() - start
             prepare_micro_batch(self.model, self.config.parallelism, micro_batch, self.grad_accum)
             if self.cuda_graphs:  # each micro-batch is a new iteration: its graphs may reuse the last one's memory
                 torch.compiler.cudagraph_mark_step_begin()
             with self._autocast():
-                loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum
+                loss = self.loss_fn(self.model(inputs, doc_start), labels) / self.grad_accum
             if inject_nan:
                 loss = loss * float("nan")
             loss.backward()
@@ -401,10 +408,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         with torch.no_grad(), self._autocast():
             for _ in range(self.config.training.eval_batches):
-                inputs, labels = (t.to(self.device) for t in next(self.eval_loader))
+                inputs, labels, doc_start = self._next_batch(self.eval_loader)
                 if self.cuda_graphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                total += self.loss_fn(self.model(inputs), labels)
+                total += self.loss_fn(self.model(inputs, doc_start), labels)
         self.model.train()
         self.eval_loader.load_state_dict(state)
         return self._mean_over_ranks(total / self.config.training.eval_batches).item()
@@ -552,5 +559,6 @@ class Trainer:
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    """Mean next-token loss over the labelled tokens (padding, IGNORE_INDEX, skipped), in fp32 whatever the compute
+    dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)

@@ -1,10 +1,12 @@
-"""bench/attention.py's occupancy arithmetic, on CPU: the CUDA occupancy calculator's counts for an H100 / H200 SM."""
+"""bench/attention.py's arithmetic on CPU: the CUDA occupancy calculator's counts for an H100 / H200 SM, and the
+documents its masking rows time."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from bench.attention import programs_per_sm
+from bench.attention import NSA, equal_documents, programs_per_sm
 
 HOPPER_SM = {"threads": 2048, "registers": 65536, "shared": 233472}
 
@@ -18,3 +20,16 @@ HOPPER_SM = {"threads": 2048, "registers": 65536, "shared": 233472}
 ])
 def test_programs_per_sm_counts_the_limiting_resource(warps, registers, shared_kib, expected):
     assert programs_per_sm(warps, registers, shared_kib * 1024, HOPPER_SM) == expected
+
+
+@pytest.mark.parametrize("T, n_docs, expected", [(8192, 16, 16), (8192, 1, 1), (1000, 4, 4), (256, 16, 4)])
+def test_equal_documents_start_on_selection_blocks(T, n_docs, expected):
+    """n_docs documents per row (as many as fit when a document must hold a selection block), each starting on a
+    block, as the data pipeline aligns them; every row the same."""
+    doc_start = equal_documents(2, T, n_docs, "cpu")
+    t = torch.arange(T)
+    assert doc_start.shape == (2, T) and doc_start.dtype == torch.int32 and torch.equal(doc_start[0], doc_start[1])
+    assert (doc_start[0] <= t).all() and (doc_start[0] % NSA.sel_block_size == 0).all()
+    assert (doc_start[0].diff() >= 0).all() and doc_start[0].unique().numel() == expected
+    starts = doc_start[0].unique()
+    assert torch.equal(doc_start[0][starts.long()], starts)  # each document begins at its own start

@@ -140,7 +140,7 @@ def test_window_mask_is_built_once_per_forward_and_shared_by_every_layer(monkeyp
     built, received = [], []
     sentinel = object()
 
-    def fake_window_mask(seq_len, args, device):
+    def fake_window_mask(seq_len, args, device, doc_start=None):
         built.append((seq_len, args.window_size, device.type))
         return sentinel
 

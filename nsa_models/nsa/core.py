@@ -20,7 +20,7 @@ _selection_ops = [torch.ops.nsa.select_blocks.default]
 # The fused attention kernels: costly to recompute, so selective checkpointing saves their outputs too.
 _attention_ops = []
 try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it, then "triton" is not offered
-    from nsa_models.nsa.triton_backend import nsa_triton
+    from nsa_models.nsa.triton_backend import documents_unsupported, nsa_triton
 
     BACKENDS["triton"] = nsa_triton
     _selection_ops.append(torch.ops.nsa.select_topn.default)
@@ -40,10 +40,10 @@ def _importable(module: str) -> bool:
         return False
 
 
-def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> None:
+def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype, document_mask: bool = False) -> None:
     """Raise ValueError (one line naming the key and the fix) unless the backends `args` chooses can run on `device`
-    with compute dtype `dtype`: no silent fallback to another one. The one availability check: call it once before
-    building a model; the kernels do not check again."""
+    with compute dtype `dtype` (and mask packed documents, with document_mask): no silent fallback to another one.
+    The one availability check: call it once before building a model; the kernels do not check again."""
     if args.backend == "reference":
         return
     if args.backend not in BACKENDS:
@@ -61,11 +61,16 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> No
         if choice == "flash_attn_4" and dtype != torch.bfloat16:
             raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
                              f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
+        # The libraries take documents as cu_seqlens, a list as long as the batch's number of documents: a shape
+        # that changes every batch (a recompile each time) or, padded to its bound, mostly empty sequences.
+        if document_mask and choice in LIBRARY_PACKAGES:
+            raise ValueError(documents_unsupported(key, choice))
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None,
+                  doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
     [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
     sees no compressed block (telemetry: `nsa_models.telemetry.nsa_stats`).
@@ -73,19 +78,23 @@ def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     q: [B, T, HQ, D] rotated queries; k_*/v_*: [B, T, H, D] per-branch keys/values (the same tensors when the
     projection is shared); k_cmp/v_cmp: [B, Nc, H, D] compressed keys/values; gates: [B, T, HQ, 3] sigmoid
     gates for (cmp, slc, win). Pass block_indices to attend to given blocks instead of selecting, and the
-    `window_mask` of this length to reuse it (built inside otherwise). `check_backend` says whether args' backends
-    can run here.
+    `window_mask` of this length (and these documents) to reuse it (built inside otherwise). doc_start: int32
+    [B, T], the position of each token's document's first token (a multiple of `sel_block_size`): every packed
+    document then attends as if run alone; None: one sequence per row. `check_backend` says whether args'
+    backends can run here.
     """
     return BACKENDS[args.backend](q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args, block_indices,
-                                  window_mask)
+                                  window_mask, doc_start)
 
 
-def window_mask(seq_len: int, args: NSAArgs, device: torch.device) -> BlockMask | None:
-    """The FlexAttention BlockMask of the window when the triton backend runs it through FlexAttention on a GPU,
-    else None. Build it once per forward outside activation-checkpointed regions (building it inside a
-    checkpointed compiled block fails in Dynamo: "HOP: unsafe side effect") and pass it to every layer."""
+def window_mask(seq_len: int, args: NSAArgs, device: torch.device,
+                doc_start: Tensor | None = None) -> BlockMask | None:
+    """The FlexAttention BlockMask of the window (stopping at document starts when doc_start [B, T] is given) when
+    the triton backend runs it through FlexAttention on a GPU, else None. Build it once per forward outside
+    activation-checkpointed regions (building it inside a checkpointed compiled block fails in Dynamo: "HOP:
+    unsafe side effect") and pass it to every layer."""
     if args.backend != "triton" or args.window_backend != "flex" or device.type != "cuda":
         return None
     from nsa_models.nsa.triton_backend import window_block_mask
 
-    return window_block_mask(seq_len, args.window_size, device)
+    return window_block_mask(seq_len, args.window_size, device, doc_start)

@@ -4,6 +4,11 @@ Layout: q [B, T, HQ, D]; k, v [B, T, H, D]; compressed k/v [B, Nc, H, D]; gates 
 Query head i belongs to KV head i // G (as SDPA's enable_gqa). Queries are processed in chunks of
 `query_chunk` tokens (a handful of iterations, never one per token) so that the selected branch needs
 O(T * n * l') memory, not O(T^2).
+
+Packed documents: `doc_start` int32 [B, T] gives each query t the first position s of its document (a multiple of
+l', so the document's compressed and selection blocks are the global ones starting at or after s). Every branch
+then sees only keys >= s: compressed block i iff i*d >= s, selection candidates j*l' >= s with block s / l' forced
+instead of block 0, the window from max(s, t-w+1). None: one document per row.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ def selection_scores(p_cmp: Tensor, seq_len: int, args: NSAArgs) -> Tensor:
 
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride: int, sel_block: int,
-                  n_selected: int) -> Tensor:
+                  n_selected: int, doc_start: Tensor | None = None) -> Tensor:
     """Top-n selection blocks per (batch, KV head, query), shared by the GQA group.
 
-    p_cmp: [B, H, G, C, Nc] compressed-attention probabilities of queries q_start .. q_start+C-1.
+    p_cmp: [B, H, G, C, Nc] compressed-attention probabilities of queries q_start .. q_start+C-1; doc_start
+    [B, C]: their documents' first positions (None: 0). Candidates are the blocks from the document's first to the
+    query's own; forced are the first, the query's own and the one before it (if in the document).
     Returns int64 [B, H, C, n]: chosen block indices in ascending order, -1 padding at the end.
     A custom op so that activation checkpointing can always save it (recomputation selects the same blocks).
     """
@@ -48,8 +55,9 @@ def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride:
     t = torch.arange(q_start, q_start + C, device=p_cmp.device)[:, None]
     j = torch.arange(n_sel, device=p_cmp.device)[None, :]
     current = t // sel_block
-    forced = (j == 0) | (j == current) | (j == current - 1)
-    score = score.masked_fill(forced, float("inf")).masked_fill(j > current, float("-inf"))
+    first = 0 if doc_start is None else doc_start[:, None, :, None] // sel_block  # [B, 1, C, 1]
+    forced = (j == first) | (j == current) | ((j == current - 1) & (j >= first))
+    score = score.masked_fill(forced, float("inf")).masked_fill((j > current) | (j < first), float("-inf"))
     if n_sel < n_selected:  # fewer candidates than n: pad with impossible blocks, reported as -1
         score = F.pad(score, (0, n_selected - n_sel), value=float("-inf"))
     # Stable descending sort: equal scores keep index order, so ties break to the lower block index.
@@ -61,7 +69,7 @@ def select_blocks(p_cmp: Tensor, q_start: int, seq_len: int, block: int, stride:
 
 
 @select_blocks.register_fake
-def _(p_cmp, q_start, seq_len, block, stride, sel_block, n_selected):
+def _(p_cmp, q_start, seq_len, block, stride, sel_block, n_selected, doc_start=None):
     B, H, G, C, _ = p_cmp.shape
     return p_cmp.new_empty((B, H, C, n_selected), dtype=torch.int64)
 
@@ -78,13 +86,17 @@ def _masked_softmax(scores: Tensor, visible: Tensor) -> Tensor:
     return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
-def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, start: int, args: NSAArgs) -> tuple[Tensor, Tensor]:
+def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, start: int, args: NSAArgs,
+                      doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Spec step 1 for queries start .. start+C-1: o_cmp [B, H, G, C, D] and the probabilities p_cmp
-    [B, H, G, C, Nc]. q [B, H, G, C, D]; k_cmp, v_cmp [B, H, Nc, D]. Block i is visible to query t iff
-    i*d + l - 1 <= t."""
+    [B, H, G, C, Nc]. q [B, H, G, C, D]; k_cmp, v_cmp [B, H, Nc, D]; doc_start [B, C] or None. Block i is
+    visible to query t iff i*d + l - 1 <= t (and i*d >= doc_start[t])."""
     t = torch.arange(start, start + q.shape[3], device=q.device)
-    cmp_end = torch.arange(k_cmp.shape[2], device=q.device) * args.cmp_stride + args.cmp_block_size - 1
-    p_cmp = _masked_softmax(q @ k_cmp.transpose(-1, -2).unsqueeze(2) * q.shape[-1] ** -0.5, cmp_end <= t[:, None])
+    cmp_start = torch.arange(k_cmp.shape[2], device=q.device) * args.cmp_stride
+    visible = cmp_start + args.cmp_block_size - 1 <= t[:, None]  # [C, Nc]
+    if doc_start is not None:
+        visible = visible & (cmp_start >= doc_start[:, None, None, :, None])  # [B, 1, 1, C, Nc]
+    p_cmp = _masked_softmax(q @ k_cmp.transpose(-1, -2).unsqueeze(2) * q.shape[-1] ** -0.5, visible)
     return p_cmp.to(v_cmp.dtype) @ v_cmp.unsqueeze(2), p_cmp
 
 
@@ -95,10 +107,12 @@ def compressed_entropy(p_cmp: Tensor) -> Tensor:
 
 
 def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
-           start: int, args: NSAArgs, block_indices: Tensor | None) -> tuple[list[Tensor], Tensor, Tensor]:
+           start: int, args: NSAArgs, block_indices: Tensor | None,
+           doc_start: Tensor | None) -> tuple[list[Tensor], Tensor, Tensor]:
     """Branch outputs (cmp, slc, win), each [B, H, G, C, D], block indices [B, H, C, n] and the compressed
-    entropy [B, H, G, C] for queries start .. start+C-1. Head-major layouts throughout: q [B, H, G, C, D],
-    keys/values [B, H, T or Nc, D], so every product is a batched matmul with no layout copies."""
+    entropy [B, H, G, C] for queries start .. start+C-1 (documents: doc_start [B, C] or None). Head-major layouts
+    throughout: q [B, H, G, C, D], keys/values [B, H, T or Nc, D], so every product is a batched matmul with no
+    layout copies."""
     B, H, G, C, D = q.shape
     seq_len = k_slc.shape[2]
     scale = D ** -0.5
@@ -107,13 +121,14 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     l, d, lp, n, w = (args.cmp_block_size, args.cmp_stride, args.sel_block_size, args.n_selected,
                       args.window_size)
 
-    o_cmp, p_cmp = compressed_branch(q, k_cmp, v_cmp, start, args)
+    o_cmp, p_cmp = compressed_branch(q, k_cmp, v_cmp, start, args, doc_start)
 
     # 2-3. Selection scores and top-n, shared by the GQA group.
     if block_indices is None:
-        block_indices = select_blocks(p_cmp.detach(), start, seq_len, l, d, lp, n)
+        block_indices = select_blocks(p_cmp.detach(), start, seq_len, l, d, lp, n, doc_start)
 
-    # 4. Selected branch: gather the tokens of the chosen blocks, causal inside the current block.
+    # 4. Selected branch: gather the tokens of the chosen blocks, causal inside the current block. Chosen blocks
+    # lie inside the query's document (they start at or after its first position): no document mask needed.
     pos = (block_indices.clamp_min(0)[..., None] * lp + torch.arange(lp, device=device)).flatten(-2)  # [B,H,C,n*l']
     visible = (block_indices[..., None] >= 0).expand(-1, -1, -1, -1, lp).flatten(-2) & (pos <= t[:, None])
     # A row lookup (embedding) rather than `gather`: its backward sums the many queries that share a block in
@@ -125,10 +140,12 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
     p_slc = _masked_softmax(q_by_pos @ k_sel.transpose(-1, -2) * scale, visible.unsqueeze(3))
     o_slc = (p_slc.to(v_sel.dtype) @ v_sel).transpose(2, 3)
 
-    # 5. Sliding window: keys u with t - w < u <= t.
+    # 5. Sliding window: keys u with t - w < u <= t (and u >= doc_start[t]).
     k0 = max(0, start - w + 1)
     u = torch.arange(k0, start + C, device=device)
-    visible = (u <= t[:, None]) & (u > t[:, None] - w)
+    visible = (u <= t[:, None]) & (u > t[:, None] - w)  # [C, K]
+    if doc_start is not None:
+        visible = visible & (u >= doc_start[:, None, None, :, None])  # [B, 1, 1, C, K]
     p_win = _masked_softmax(q @ k_win[:, :, k0:start + C].transpose(-1, -2).unsqueeze(2) * scale, visible)
     o_win = p_win.to(v_win.dtype) @ v_win[:, :, k0:start + C].unsqueeze(2)
     return [o_cmp, o_slc, o_win], block_indices, compressed_entropy(p_cmp)
@@ -136,9 +153,11 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None,
+                  doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
-    entropy [B, T, HQ]). window_mask is not used: this backend masks the window itself."""
+    entropy [B, T, HQ]). doc_start: int32 [B, T] first position of each query's document (module docstring), or
+    None. window_mask is not used: this backend masks the window itself."""
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
     G = HQ // H
@@ -150,7 +169,8 @@ def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     for start in range(0, T, args.query_chunk):
         end = min(T, start + args.query_chunk)
         chunk_idx = None if block_indices is None else block_indices[:, :, start:end]
-        branches, idx, entropy = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx)
+        chunk_doc = None if doc_start is None else doc_start[:, start:end]
+        branches, idx, entropy = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx, chunk_doc)
         g = gh[:, :, :, start:end].to(branches[0].dtype)
         outs.append(sum(g[..., i:i + 1] * o for i, o in enumerate(branches)))
         indices.append(idx)

@@ -11,6 +11,11 @@ Same contract as `nsa_reference`. Branches:
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
   (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer). FlexAttention has no CPU
   backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
+
+Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
+before each query's document, the FlexAttention and SDPA windows stop at its start, and the selected branch is
+unchanged. flash-attn and FlashAttention-4 take documents only as cu_seqlens and refuse them here
+(`documents_unsupported`; `core.check_backend` says so before training).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from nsa_models.args import NSAArgs
+from nsa_models.args import BUILT_IN_BACKENDS, NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
@@ -39,29 +44,42 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True) -> BlockMask:
-    """FlexAttention block mask of keys t-w+1 .. t (built by a compiled kernel outside torch.compile)."""
+def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True,
+                       doc_start: Tensor | None = None) -> BlockMask:
+    """FlexAttention block mask of keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0), built by a compiled
+    kernel outside torch.compile."""
     def sliding_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device, _compile=compile_mask)
+    def document_window(b, h, q_idx, kv_idx):
+        return sliding_window(b, h, q_idx, kv_idx) & (kv_idx >= doc_start[b, q_idx])
+
+    if doc_start is None:
+        return create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device, _compile=compile_mask)
+    return create_block_mask(document_window, doc_start.shape[0], None, seq_len, seq_len, device=device,
+                             _compile=compile_mask)
 
 
 _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
-def window_block_mask(seq_len: int, window: int, device: torch.device) -> BlockMask:
-    """The window's FlexAttention BlockMask: cached in eager code, traced (no caches) inside torch.compile."""
-    if torch.compiler.is_compiling():
-        return _window_block_mask(seq_len, window, str(device), compile_mask=False)
+def window_block_mask(seq_len: int, window: int, device: torch.device,
+                      doc_start: Tensor | None = None) -> BlockMask:
+    """The window's FlexAttention BlockMask, stopping at document starts when doc_start [B, T] is given: cached in
+    eager code without documents (their mask changes every batch), traced (no caches) inside torch.compile."""
+    if doc_start is not None or torch.compiler.is_compiling():
+        return _window_block_mask(seq_len, window, str(device), not torch.compiler.is_compiling(), doc_start)
     return _cached_window_block_mask(seq_len, window, str(device))
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
-                     block_mask: BlockMask | None = None) -> Tensor:
-    """Sliding-window attention over keys t-w+1 .. t; [B, T, HQ, D]. block_mask: the FlexAttention window mask
-    (`window_block_mask`), built here when None."""
+def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask: BlockMask | None = None,
+                     doc_start: Tensor | None = None) -> Tensor:
+    """Sliding-window attention over keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0); [B, T, HQ, D].
+    block_mask: the FlexAttention window mask (`window_block_mask`, of the same documents), built here when
+    None."""
     T, w = q.shape[1], args.window_size
+    if doc_start is not None and args.window_backend in ("flash_attn", "flash_attn_4"):
+        raise ValueError(documents_unsupported("window_backend", args.window_backend))
     if args.window_backend == "flash_attn":
         from flash_attn import flash_attn_func
 
@@ -71,39 +89,52 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs,
         return fa4_window_attention(q, k, v, w, deterministic=not args.float_atomics)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
-        block_mask = window_block_mask(T, w, q.device) if block_mask is None else block_mask
+        block_mask = window_block_mask(T, w, q.device, doc_start) if block_mask is None else block_mask
         # Inside torch.compile flex_attention is traced into the caller's graph; eager calls take the compiled one.
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
         out = flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=_WINDOW_KERNEL_OPTIONS)
     else:
         t = torch.arange(T, device=q.device)
         mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
+        if doc_start is not None:  # [B, 1, T, T]: each key at or after its query's document start
+            mask = mask & (t >= doc_start[:, :, None]).unsqueeze(1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
 
-def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs,
-                         scale: float) -> tuple[Tensor, Tensor]:
+def documents_unsupported(key: str, choice: str) -> str:
+    """The one-line error for a library backend that cannot mask packed documents."""
+    built_in = BUILT_IN_BACKENDS[key]
+    return (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
+            + " or ".join(map(repr, built_in)) + ", or data.document_mask = false")
+
+
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs, scale: float,
+                         doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
     if args.cmp_backend == "flash_attn_4":
+        if doc_start is not None:
+            raise ValueError(documents_unsupported("cmp_backend", args.cmp_backend))
         return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
                                         deterministic=not args.float_atomics)
-    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale)
+    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start)
 
 
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-               window_mask: BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               window_mask: BlockMask | None = None, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed-
-    attention entropy [B, T, HQ] fp32, detached)."""
+    attention entropy [B, T, HQ] fp32, detached). doc_start [B, T] int32 (multiples of `sel_block_size`): each
+    packed document attends as if run alone; the selected branch needs no mask, as every block chosen within a
+    document lies inside it."""
     scale = q.shape[-1] ** -0.5
-    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale)
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale, doc_start)
     # The selection is not differentiated (the spec's top-n is piecewise constant): detached inputs.
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
-                                  args.sel_block_size, args.n_selected, scale)
+                                  args.sel_block_size, args.n_selected, scale, doc_start)
     block_indices = chosen if block_indices is None else block_indices
     o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale)
-    o_win = window_attention(q, k_win, v_win, args, window_mask)
+    o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy

@@ -1,7 +1,11 @@
 """Compressed attention (NSA branch 1) and the top-n block selection (branches 2-3) in Triton, as torch custom ops.
 
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
-Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t.
+Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t, and, with packed documents
+(doc_start [B, T] int32: the first position of each token's document, a multiple of d; a multiple of l' for the
+selection), iff also i*d >= doc_start[t]. Documents only mask (a constexpr DOC_MASK flag: without them every kernel
+compiles as before): a document's blocks are the global ones from its start on, and each kernel skips the key
+tiles (or query steps) of the documents before (after) the ones its tile touches.
 
 A tile's rows are QB consecutive query positions x the G heads of one KV group (row r is head r % GP of position
 t0 + r // GP, QB = BM // GP), so every query of the group shares the loaded keys and a small G still fills the
@@ -19,17 +23,18 @@ loads (a tile's unused rows must read as zeros).
   rows and no probability tile is transposed in registers.
 - Selection: recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed blocks
   to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
-  overlap that spills into the next tile), forces block 0 and the two most recent blocks, and makes one sort
-  key per candidate block: the fp32 score's bits above the complement of the block index, so that ranking the
-  keys orders by score and breaks ties towards the lower index, as the reference's stable sort (64-bit keys, or
-  32-bit ones with the score's lowest bits dropped: `_wide_keys`). Each query keeps its top-n keys in registers,
-  merged with one tile of candidates at a time (a bitonic merge). The same pass gives each query head's
-  compressed-attention entropy (telemetry).
+  overlap that spills into the next tile), forces block 0 (with documents, the document's first) and the two most
+  recent blocks, and makes one sort key per candidate block: the fp32 score's bits above the complement of the
+  block index, so that ranking the keys orders by score and breaks ties towards the lower index, as the
+  reference's stable sort (64-bit keys, or 32-bit ones with the score's lowest bits dropped: `_wide_keys`). Each
+  query keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge). The
+  same pass gives each query head's compressed-attention entropy (telemetry).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -103,6 +108,22 @@ def _sees(n, t, NC, L: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _first_block(DOC, b, t, T, S: tl.constexpr):
+    """The first compressed block of the document of query t (a tensor of positions; those past T, whose rows are
+    masked elsewhere, read 0): the queries see blocks from there on."""
+    return tl.load(DOC + b * T + t, mask=t < T, other=0) // S
+
+
+@triton.jit
+def _document_blocks(DOC, b, t0, T, S: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr):
+    """For the query tile of QB positions from t0, whole key tiles of BN blocks: [0, lo) are seen by no query
+    (they precede its first document), from hi on every query's document holds them all."""
+    first = tl.load(DOC + b * T + t0)
+    last = tl.load(DOC + b * T + tl.minimum(t0 + QB, T) - 1)
+    return first // S // BN * BN, tl.cdiv(last // S, BN) * BN
+
+
+@triton.jit
 def _visible_range(t0, T, NC, L: tl.constexpr, S: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr):
     """The compressed blocks of the query tile of QB positions from t0: [0, common) is seen by every query, in
     whole key tiles (no mask needed), [common, end) by some."""
@@ -110,15 +131,18 @@ def _visible_range(t0, T, NC, L: tl.constexpr, S: tl.constexpr, QB: tl.constexpr
 
 
 @triton.jit
-def _fwd_keys(q, K, V, b, h, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
+def _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
               L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-              MASKED: tl.constexpr):
+              MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
     """Fold compressed blocks [lo, hi) into the running softmax; MASKED: mask per row the blocks its query does
-    not see yet (only the tile's last key tiles need it)."""
+    not see yet (only the tile's last key tiles need it); DOC_MASK: also those before the row's `first` block (its
+    document's)."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+        if DOC_MASK:
+            s = tl.where(n[None, :] >= first[:, None], s, float("-inf"))
         if MASKED:
             s = tl.where(_sees(n[None, :], t[:, None], NC, L, S), s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
@@ -126,35 +150,44 @@ def _fwd_keys(q, K, V, b, h, m, l, acc, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
-def _fwd_kernel(Q, K, V, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BD: tl.constexpr, PRECISION: tl.constexpr):
+                BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
-    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
+    lo, first = 0, 0
+    if DOC_MASK:  # the key tiles some query's document does not hold: masked by both rules
+        lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
+        first = _first_block(DOC, b, t, T, S)
+        m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
+                              H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
+        lo, common = hi, tl.maximum(common, hi)
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                           PRECISION, MASKED=False)
-    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
-                          PRECISION, MASKED=True)
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                          BD, PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
+def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
              D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-             PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """Add compressed blocks [lo, hi)'s terms to dq; MASKED as in _fwd_keys. Unmasked, a row past the sequence or
-    a padded head adds 0: its q, dO, lse and delta load as 0."""
+             PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
+    """Add compressed blocks [lo, hi)'s terms to dq; MASKED, DOC_MASK as in _fwd_keys. Unmasked, a row past the
+    sequence or a padded head adds 0: its q, dO, lse and delta load as 0."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.exp2(s - lse[:, None])
+        if DOC_MASK:
+            p = tl.where(n[None, :] >= first[:, None], p, 0.0)
         if MASKED:
             p = tl.where(_sees(n[None, :], t[:, None], NC, L, S), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -163,27 +196,34 @@ def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, lo, hi, NC, d, d_ok, qk_scale
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
+def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, 0, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
+    lo, first = 0, 0
+    if DOC_MASK:  # as in the forward
+        lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
+        first = _first_block(DOC, b, t, T, S)
+        dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
+                      H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
+        lo, common = hi, tl.maximum(common, hi)
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
                   PRECISION, MASKED=False)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
-                  PRECISION, MASKED=True)
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                  BD, PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 @triton.jit
-def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d, d_ok, qk_scale, H: tl.constexpr,
-               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-               PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d, d_ok, qk_scale,
+               H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
+               BM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
     """Add the terms of the query steps from lo to hi (rows before `stop`) to a key tile's dk, dv; MASKED: mask
-    the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it). Rows at
-    or past `stop` add 0: their q, dO, lse and delta load as 0."""
+    the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it); DOC_MASK:
+    also those before its document. Rows at or past `stop` add 0: their q, dO, lse and delta load as 0."""
     for t0 in range(lo, hi, BM // GP):
         t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
         row_ok &= t < stop
@@ -191,6 +231,8 @@ def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d,
         q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BN, BM]: keys x query rows
         p = tl.exp2(s - lse[None, :])
+        if DOC_MASK:
+            p = tl.where(n[:, None] >= _first_block(DOC, b, t, T, S)[None, :], p, 0.0)
         if MASKED:
             p = tl.where(_sees(n[:, None], t[None, :], NC, L, S) & row_ok[None, :], p, 0.0)
         dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
@@ -200,9 +242,10 @@ def _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d,
 
 
 @triton.jit(do_not_specialize=["T", "NC", "CHUNK"])
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk_scale, scale, H: tl.constexpr,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk_scale, scale,
+                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                     DOC_MASK: tl.constexpr):
     tile, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     bh = tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
@@ -218,10 +261,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
     start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1)
     sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1
     unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), BM // GP) * (BM // GP), stop)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, d, d_ok, qk_scale,
-                        H, G, GP, D, L, S, BM, PRECISION, MASKED=True)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, k, v, dk, dv, n, b, h, unmasked, stop, stop, T, NC, d, d_ok, qk_scale,
-                        H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
+    whole = stop
+    if DOC_MASK:
+        # The queries past the end of the document holding the tile's last block see none of it, and those of
+        # the document holding its first block (to `whole`) every block that the causal rule lets them.
+        ends = DOC_END + b * T
+        stop = tl.minimum(stop, tl.load(ends + tl.minimum((tl.minimum(tile * BN + BN, NC) - 1) * S, T - 1)))
+        unmasked = tl.minimum(unmasked, stop)
+        whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
+        # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
+        whole = tl.where(whole >= stop, stop, unmasked + tl.maximum(whole - unmasked, 0) // (BM // GP) * (BM // GP))
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, d, d_ok,
+                        qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=DOC_MASK)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, unmasked, whole, stop, T, NC, d, d_ok,
+                        qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
+    if DOC_MASK:
+        dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, whole, stop, stop, T, NC, d, d_ok,
+                            qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=True)
     kv_base = b * NC * H * D + h * D
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
@@ -230,10 +286,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL", "IDX_BITS"])
-def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
+def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                    SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr):
+                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
+                   DOC_MASK: tl.constexpr):
     QB: tl.constexpr = BM // GP
     PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
     PB: tl.constexpr = L // S  # stride segments per compressed block
@@ -261,7 +318,14 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
     idx_mask = (tl.full([], 1, KEY) << IDX_BITS) - 1  # a key's IDX_BITS low bits: the block index's complement
     drop = 0 if WIDE_KEYS else IDX_BITS  # 32-bit keys give up the score's lowest bits to the index
     n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
-    for j0 in range(0, n_cols, BJ):
+    j_lo = 0
+    first = 0  # each query's first candidate: its document's first block
+    if DOC_MASK:
+        first = (tl.load(DOC + b * T + tq, mask=tq < T, other=0) // SEL)[:, None]
+        first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
+        if not STORE_KEYS:  # the tiles before the tile's first document hold no candidate (and no overlap carry)
+            j_lo = tl.load(DOC + b * T + t0) // SEL // BJ * BJ
+    for j0 in range(j_lo, n_cols, BJ):
         j = j0 + tl.arange(0, BJ)
         score = tl.where(j_loc == 0, carry[:, None], 0.0)
         carry = tl.zeros([QB], tl.float32)
@@ -272,6 +336,8 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
             k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
+            if DOC_MASK:
+                visible &= n[None, :] >= first_cmp
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
             plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
             # The group's heads share one selection: sum their rows (linear, so after the overlap product).
@@ -281,9 +347,11 @@ def _select_kernel(Q, K, LSE, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_sca
             per_row = tl.dot(p, overlap, input_precision=PRECISION)
             score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
             carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
-        forced = (j[None, :] == 0) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
+        forced = (j[None, :] == first) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
         score = tl.where(forced, float("inf"), score)
         score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
+        if DOC_MASK:
+            score = tl.where(j[None, :] < first, float("-inf"), score)
         # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
         bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
         key = ((bits >> drop).to(KEY) << IDX_BITS) | (idx_mask - j[None, :]).to(KEY)  # j: 64-bit, as the loop bound
@@ -313,7 +381,7 @@ def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict
     return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype))
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: Tensor | None = None) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
@@ -321,6 +389,18 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> None:
                          "must be [B, T, HQ, D] and [B, Nc, H, D] with H dividing HQ")
     if stride & (stride - 1) or block % stride:
         raise ValueError(f"compressed attention: stride d = {stride} must be a power of two dividing l = {block}")
+    if doc_start is not None and (doc_start.shape != (B, T) or doc_start.dtype != torch.int32):
+        raise ValueError(f"compressed attention: doc_start {tuple(doc_start.shape)} {doc_start.dtype} must be "
+                         f"[B, T] = {(B, T)} int32")
+
+
+def _document_ends(doc_start: Tensor) -> Tensor:
+    """[B, T] int32: the end (exclusive) of the document of each position, from doc_start [B, T] (the first
+    position of each token's document): the next position that starts a document, or T."""
+    T = doc_start.shape[1]
+    t = torch.arange(T, device=doc_start.device, dtype=torch.int32)
+    starts = torch.where(doc_start == t, t, T)[:, 1:]  # the positions after t that begin a document
+    return F.pad(starts, (0, 1), value=T).flip(1).cummin(1).values.flip(1).contiguous()
 
 
 def _kv_operands(k: Tensor, v: Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -331,12 +411,17 @@ def _kv_operands(k: Tensor, v: Tensor, rows: int) -> tuple[TensorDescriptor, Ten
     return tuple(triton_common.head_rows_operand(x, rows, True) for x in (k, v))
 
 
+def _contiguous(doc_start: Tensor | None) -> Tensor | None:
+    return None if doc_start is None else doc_start.contiguous()
+
+
 @torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
-def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
-                             scale: float) -> tuple[Tensor, Tensor]:
-    """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block)."""
-    _check(q, k, v, block, stride)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
+                             doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block).
+    doc_start [B, T] int32 (multiples of d), or None: see the module's docstring."""
+    _check(q, k, v, block, stride, doc_start)
+    q, k, v, doc_start = q.contiguous(), k.contiguous(), v.contiguous(), _contiguous(doc_start)
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     tiles = _tiling(HQ // H, D, q.dtype)
@@ -345,13 +430,13 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), o, lse, T, NC, scale * LOG2E, H=H, L=block, S=stride,
-                      BN=_KEYS, **tiles, num_warps=4, num_stages=3)
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC, scale * LOG2E, H=H, L=block,
+                      S=stride, BN=_KEYS, DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
 
 @compressed_attention_fwd.register_fake
-def _(q, k, v, block, stride, scale):
+def _(q, k, v, block, stride, scale, doc_start=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -364,16 +449,20 @@ def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
 
 @torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
-                             stride: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                             stride: int, scale: float,
+                             doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
+    doc_start = _contiguous(doc_start)
+    doc_end = None if doc_start is None else _document_ends(doc_start)
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     tiles = _tiling(HQ // H, D, q.dtype)
-    args = dict(H=H, L=block, S=stride, num_warps=4, num_stages=2)
+    args = dict(H=H, L=block, S=stride, DOC_MASK=doc_start is not None, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), do, lse, delta, dq, T, NC, scale * LOG2E, scale, BN=_KEYS, **tiles, **args)
+        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, scale * LOG2E, scale, BN=_KEYS,
+        **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
     # keep the heads padded to a power of two: with G rows a position (G = 3) it spilled 104 registers at D = 64
@@ -384,29 +473,30 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dk_part = torch.empty(n_chunks, B, NC, H, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     if NC:
-        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), do, lse, delta, dk_part,
-                                                     dv_part, T, NC, chunk, scale * LOG2E, scale, BN=_KEYS_BWD,
-                                                     **_tiling(HQ // H, D, q.dtype, pad_heads=True), **args)
+        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), doc_start, doc_end, do, lse,
+                                                     delta, dk_part, dv_part, T, NC, chunk, scale * LOG2E, scale,
+                                                     BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
+                                                     **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
 
 @compressed_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block, stride, scale):
+def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale = inputs
+    q, k, v, block, stride, scale, doc_start = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, doc_start)
     ctx.block, ctx.stride, ctx.scale = block, stride, scale
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, doc_start = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
-    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale, doc_start)
+    return dq, dk, dv, None, None, None, None
 
 
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -424,13 +514,13 @@ def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
 
 
 def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-            scale: float, store_keys: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+            scale: float, store_keys: bool, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     if sel_block % stride or block > sel_block + stride:
         raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
                          "l' + d (a compressed block overlaps at most two selection blocks)")
-    q, k, lse = q.contiguous(), k.contiguous(), lse.contiguous()
+    q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
     tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
     n_sel = triton.cdiv(T, sel_block)
     idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
@@ -445,36 +535,38 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     tma = tile_keys <= _TMA_BOX_ROWS
     pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
     keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
-    _select_kernel[grid](q, keys_operand, lse, idx, entropy, keys, T, NC, n_sel, n_selected,
+    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, n_sel, n_selected,
                          32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
                          SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
-                         PIPELINED=pipelined, **tiles, num_warps=4, num_stages=3 if pipelined else 2)
+                         PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
+                         num_stages=3 if pipelined else 2)
     return idx, entropy, keys
 
 
-def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int,
-                   scale: float) -> Tensor:
+def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, scale: float,
+                   doc_start: Tensor | None = None) -> Tensor:
     """For tests: the int64 sort key [B, H, T, Ns] the selection ranks each block by (the fp32 score's bits above
-    the complement of the block index; negative: a future block)."""
-    return _select(q, k, lse, block, stride, sel_block, 1, scale, store_keys=True)[2]
+    the complement of the block index; negative: a future block, or one before the query's document)."""
+    return _select(q, k, lse, block, stride, sel_block, 1, scale, True, doc_start)[2]
 
 
 @torch.library.custom_op("nsa::select_topn", mutates_args=())
 def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-                scale: float) -> tuple[Tensor, Tensor]:
+                scale: float, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Top-n selection blocks per (batch, KV head, query), shared by the GQA group, and the entropy (nats) of
     each query head's compressed-attention distribution.
 
     q [B, T, HQ, D], compressed k [B, Nc, H, D], lse [B, T, HQ] from `compressed_attention_fwd`. Returns int64
     [B, H, T, n] (ascending, -1 padding at the end, as the reference's `select_blocks`) and fp32 [B, T, HQ].
-    Nothing of size T x Ns is written: each query keeps its running top-n in registers.
+    Nothing of size T x Ns is written: each query keeps its running top-n in registers. With doc_start [B, T]
+    (multiples of l'), a query's candidates are the blocks of its document, whose first block is forced.
     """
-    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, store_keys=False)
+    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start)
     return idx, entropy
 
 
 @select_topn.register_fake
-def _(q, k, lse, block, stride, sel_block, n_selected, scale):
+def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None):
     B, T, HQ, _ = q.shape
     return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
                                                                                       dtype=torch.float32)

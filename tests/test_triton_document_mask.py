@@ -1,0 +1,288 @@
+"""Document masking in the `triton` backend: with doc_start, every packed document gets the outputs, log-sum-exp,
+selected blocks and gradients that it gets alone (doc_start None), kernel by kernel and through the whole backend.
+
+The oracle cuts each document out (its real tokens, and the compressed blocks from its start on) and runs it alone
+through the same function. CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU) at tiny
+shapes in fp32. GPU (`gpu` marker): real shapes, each window backend that masks documents, and a 64k row of many
+documents.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import Tensor
+
+from nsa_models.args import NSAArgs
+from nsa_models.nsa import core, triton_compressed
+from nsa_models.nsa.core import check_backend
+from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention
+from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
+from tests.helpers import assert_valid_selection, reference_scores
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU interpreter tests; with a GPU, the gpu tests below run instead")
+# Per row, the lengths of its documents: shorter than a compressed and a selection block (5), odd lengths, longer than
+# the window (90, 100), and a tail of padding after the last one. With l' = 16 they start at 0, 32, 128 and 0, 16,
+# 128; compressed blocks of l = 2d straddle each start. At d = 4 the document at 32 starts inside the first 16
+# compressed blocks, after some of the first document's, and runs past the queries that see all 16 causally (the
+# unmasked query steps of dK/dV's first key tile must not reach it).
+ROWS, T_CPU = [[20, 90, 29], [5, 100, 20]], 160
+NAMES = ["q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates"]
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b||; the RMS of a - b where b is numerically zero (no compressed block, say)."""
+    diff, scale = (a.double() - b.double()).norm().item(), b.double().norm().item()
+    return diff / scale if scale > 1e-6 * max(1, b.numel()) ** 0.5 else diff / max(1, b.numel()) ** 0.5
+
+
+def pack(rows: list[list[int]], seq_len: int, align: int, device: str = "cpu") -> tuple[Tensor, list]:
+    """doc_start [B, T] int32 of documents of these lengths packed from position 0 of each row, each starting at a
+    multiple of `align` (the padding after a document, and the row's tail, count as part of it), and each row's
+    documents as (start, length)."""
+    doc_start = torch.zeros(len(rows), seq_len, dtype=torch.int32)
+    spans = []
+    for b, lengths in enumerate(rows):
+        start, row = 0, []
+        for length in lengths:
+            assert start + length <= seq_len
+            doc_start[b, start:] = start
+            row.append((start, length))
+            start = -(-(start + length) // align) * align
+        spans.append(row)
+    return doc_start.to(device), spans
+
+
+def real_tokens(spans: list, seq_len: int, device: str = "cpu") -> Tensor:
+    """[B, T, 1, 1] float: 1 on the documents' tokens, 0 on padding (no loss reads a padding row's output)."""
+    mask = torch.zeros(len(spans), seq_len, 1, 1, device=device)
+    for b, row in enumerate(spans):
+        for start, length in row:
+            mask[b, start:start + length] = 1
+    return mask
+
+
+def cut(x: Tensor, b: int, start: int, length: int, args: NSAArgs, compressed: bool) -> Tensor:
+    """Document (b, start, length)'s part of x, as a fresh leaf: its tokens [1, length, ...], or with `compressed`
+    its compressed blocks, the global blocks from its start on that fit inside it."""
+    first, n = (start // args.cmp_stride, args.num_cmp_blocks(length)) if compressed else (start, length)
+    return x.detach()[b:b + 1, first:first + n].clone().requires_grad_()
+
+
+def alone_indices(idx: Tensor, start: int, sel_block: int) -> Tensor:
+    """Block indices of a document run alone, numbered as in the packed row."""
+    return torch.where(idx >= 0, idx + start // sel_block, idx)
+
+
+# --- CPU: the Triton interpreter -------------------------------------------------------------------------------
+
+@interpreter
+@pytest.mark.parametrize("G,keys,blocks", [(2, 16, (8, 4, 16)), (3, 32, (16, 8, 16))], ids=["G2-d4", "G3-d8"])
+def test_compressed_attention_and_selection_per_document(G: int, keys: int, blocks: tuple, monkeypatch):
+    """Compressed attention (o, lse, dq, dk, dv) and the top-n selection (indices, entropy) of each packed document
+    equal its own run. Small tiles put several key tiles and dK/dV query chunks in each document, so that the masked,
+    unmasked and skipped ranges of every kernel all run (with d = 4, dK/dV's first key tile has unmasked query steps
+    in the third document of row 0)."""
+    monkeypatch.setattr(triton_compressed, "_KEYS", keys)
+    monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)
+    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MIN", 32)
+    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MAX", 32)
+    (l, d, lp), n = blocks, 3
+    args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=lp, n_selected=n)
+    B, T, H, D = 2, T_CPU, 2, 16
+    doc_start, spans = pack(ROWS, T, lp)
+    gen = torch.Generator().manual_seed(G)
+    q = (torch.randn(B, T, H * G, D, generator=gen) * 2).requires_grad_()
+    k, v = (torch.randn(B, args.num_cmp_blocks(T), H, D, generator=gen).requires_grad_() for _ in range(2))
+    cot = torch.randn(q.shape, generator=gen) * real_tokens(spans, T)
+    o, lse = compressed_attention_fwd(q, k, v, l, d, D ** -0.5, doc_start)
+    grads = torch.autograd.grad((o * cot).sum(), (q, k, v))
+    idx, entropy = select_topn(q.detach(), k.detach(), lse, l, d, lp, n, D ** -0.5, doc_start)
+    assert torch.isfinite(o).all()
+    for b, row in enumerate(spans):
+        for start, length in row:
+            rows = slice(start, start + length)
+            qa = cut(q, b, start, length, args, False)
+            ka, va = (cut(x, b, start, length, args, True) for x in (k, v))
+            oa, lse_a = compressed_attention_fwd(qa, ka, va, l, d, D ** -0.5)
+            want = torch.autograd.grad((oa * cot[b:b + 1, rows]).sum(), (qa, ka, va))
+            idx_a, entropy_a = select_topn(qa.detach(), ka.detach(), lse_a, l, d, lp, n, D ** -0.5)
+            doc = f"document ({b}, {start}, {length})"
+            assert rel_err(o[b:b + 1, rows], oa) <= 1e-5, doc
+            assert torch.equal(lse[b:b + 1, rows].isinf(), lse_a.isinf()), doc  # -inf: no block visible yet
+            assert rel_err(lse[b:b + 1, rows].nan_to_num(0, 0, 0), lse_a.nan_to_num(0, 0, 0)) <= 1e-5, doc
+            blocks = slice(start // d, start // d + ka.shape[1])
+            for name, got, w in zip("qkv", (grads[0][b:b + 1, rows], grads[1][b:b + 1, blocks],
+                                            grads[2][b:b + 1, blocks]), want):
+                assert rel_err(got, w) <= 1e-5, f"{doc}: d{name} rel err {rel_err(got, w):.2e}"
+            assert torch.equal(idx[b:b + 1, :, rows], alone_indices(idx_a, start, lp)), doc
+            assert rel_err(entropy[b:b + 1, rows], entropy_a) <= 1e-5, doc
+
+
+@interpreter
+def test_backend_per_document():
+    """The whole backend (compressed, selection, selected branch, masked-SDPA window; separate K/V per branch): each
+    document's output, selected blocks and the gradients of all eight inputs equal its own run. The selected
+    branch has no document mask: a block chosen within a document lies inside it."""
+    args = NSAArgs(cmp_block_size=16, cmp_stride=8, sel_block_size=16, n_selected=3, window_size=24,
+                   window_backend="sdpa")
+    B, T, H, G, D = 2, T_CPU, 1, 2, 16
+    doc_start, spans = pack(ROWS, T, args.sel_block_size)
+    gen = torch.Generator().manual_seed(0)
+    n_cmp = args.num_cmp_blocks(T)
+    shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 4 + [(B, n_cmp, H, D)] * 2
+    leaves = [torch.randn(s, generator=gen) * (2.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
+    leaves = [x.requires_grad_() for x in leaves + [torch.rand(B, T, H * G, 3, generator=gen)]]
+    out, idx, _ = nsa_triton(*leaves, args, doc_start=doc_start)
+    cot = torch.randn(out.shape, generator=gen) * real_tokens(spans, T)
+    grads = torch.autograd.grad((out * cot).sum(), leaves)
+    assert torch.isfinite(out).all()
+    for b, row in enumerate(spans):
+        for start, length in row:
+            rows = slice(start, start + length)
+            alone = [cut(x, b, start, length, args, name in ("k_cmp", "v_cmp"))
+                     for name, x in zip(NAMES, leaves)]
+            want, idx_a, _ = nsa_triton(*alone, args)
+            want_grads = torch.autograd.grad((want * cot[b:b + 1, rows]).sum(), alone)
+            doc = f"document ({b}, {start}, {length})"
+            assert torch.equal(idx[b:b + 1, :, rows], alone_indices(idx_a, start, args.sel_block_size)), doc
+            assert rel_err(out[b:b + 1, rows], want) <= 1e-5, doc
+            for name, g, w in zip(NAMES, grads, want_grads):
+                first = start // args.cmp_stride if name in ("k_cmp", "v_cmp") else start
+                got = g[b:b + 1, first:first + w.shape[1]]
+                assert rel_err(got, w) <= 1e-5, f"{doc}: grad of {name} rel err {rel_err(got, w):.2e}"
+
+
+def test_document_ends():
+    """Each position's document end (exclusive): the next document's first position, or T."""
+    doc_start, _ = pack(ROWS, T_CPU, 16)
+    ends = _document_ends(doc_start)
+    assert ends.dtype == torch.int32
+    assert torch.equal(ends[0], torch.tensor([32] * 32 + [128] * 96 + [T_CPU] * (T_CPU - 128), dtype=torch.int32))
+    assert torch.equal(ends[1], torch.tensor([16] * 16 + [128] * 112 + [T_CPU] * (T_CPU - 128), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("key,choice", [("window_backend", "flash_attn"), ("window_backend", "flash_attn_4"),
+                                        ("cmp_backend", "flash_attn_4")])
+def test_library_backends_refuse_documents(key: str, choice: str, monkeypatch):
+    """flash-attn 2 and FlashAttention-4 take documents only as cu_seqlens (a list as long as the batch's number of
+    documents): with document masking they are one config error before training, and the kernels called with
+    doc_start anyway refuse instead of silently attending across documents."""
+    monkeypatch.setattr(core, "_importable", lambda name: True)
+    args = NSAArgs(backend="triton", **{key: choice})
+    message = (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
+               + ("'flex' or 'sdpa'" if key == "window_backend" else "'triton'") + ", or data.document_mask = false")
+    with pytest.raises(ValueError) as error:
+        check_backend(args, torch.device("cuda"), torch.bfloat16, document_mask=True)
+    assert str(error.value) == message
+    check_backend(args, torch.device("cuda"), torch.bfloat16)  # without documents they run
+    check_backend(NSAArgs(backend="triton"), torch.device("cuda"), torch.bfloat16, document_mask=True)
+    x, doc_start = torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cannot mask packed documents"):
+        if key == "window_backend":
+            window_attention(x, x, x, args, doc_start=doc_start)
+        else:
+            compressed_attention(x, x, x, args, 0.25, doc_start)
+
+
+# --- GPU: real shapes ------------------------------------------------------------------------------------------
+
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+GPU_HYPER = dict(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512)
+
+
+def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args: NSAArgs, dtype: torch.dtype,
+                    docs: int | None = None) -> None:
+    """The packed backend against each document alone (the first `docs` of each row and its last; all by default),
+    on the GPU; alone, the window runs through masked SDPA (exact, and no FlexAttention compile per document
+    length).
+    Sums in another order may rank near-equal selection scores differently: the packed choice must be a valid
+    top-n of the document's own scores, and the document alone then attends to the blocks the packed run chose."""
+    B = len(rows)
+    doc_start, spans = pack(rows, T, args.sel_block_size, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(T + G)
+    n_cmp = args.num_cmp_blocks(T)
+    shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 2 + [(B, n_cmp, H, D)] * 2
+    leaves = [torch.randn(s, generator=gen, device="cuda") * (2.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
+    leaves = [x.to(dtype).requires_grad_() for x in leaves + [torch.rand(B, T, H * G, 3, generator=gen,
+                                                                          device="cuda")]]
+
+    def call(q, k, v, k_cmp, v_cmp, gates, args, **kwargs):  # one K/V for the selected and window branches
+        return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates, args, **kwargs)
+
+    out, idx, _ = call(*leaves, args, doc_start=doc_start)
+    cot = torch.randn(out.shape, generator=gen, device="cuda") * real_tokens(spans, T, "cuda")
+    grads = torch.autograd.grad((out.float() * cot).sum(), leaves)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    names = ["q", "k", "v", "k_cmp", "v_cmp", "gates"]
+    for b, row in enumerate(spans):
+        for start, length in row if docs is None else row[:docs] + row[-1:]:
+            rows_ = slice(start, start + length)
+            alone = [cut(x, b, start, length, args, name in ("k_cmp", "v_cmp"))
+                     for name, x in zip(names, leaves)]
+            own_idx = alone_indices(idx[b:b + 1, :, rows_], -start, args.sel_block_size)  # numbered from its start
+            assert_valid_selection(own_idx, reference_scores(alone[0], alone[3], args), args.n_selected, tol=1e-3)
+            want, _, _ = call(*alone, replace(args, window_backend="sdpa"), block_indices=own_idx)
+            want_grads = torch.autograd.grad((want.float() * cot[b:b + 1, rows_]).sum(), alone)
+            doc = f"document ({b}, {start}, {length})"
+            assert rel_err(out[b:b + 1, rows_], want) <= TOL[dtype], doc
+            for name, g, w in zip(names, grads, want_grads):
+                first = start // args.cmp_stride if name in ("k_cmp", "v_cmp") else start
+                got = g[b:b + 1, first:first + w.shape[1]]
+                assert rel_err(got, w) <= TOL[dtype], f"{doc}: grad of {name} rel err {rel_err(got, w):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window_backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("G,D", [(3, 64), (16, 128)])
+def test_backend_per_document_gpu(G: int, D: int, window_backend: str, dtype: torch.dtype):
+    """Documents shorter than a block, longer than the window, odd lengths, one row a single document."""
+    args = NSAArgs(**GPU_HYPER, window_backend=window_backend)
+    check_documents([[40, 700, 1501, 1000, 777], [4113]], 4160, 2, G, D, args, dtype)
+
+
+@pytest.mark.gpu
+def test_64k_micro_batch_of_many_documents():
+    """One 64k row of about 70 documents (lengths 1 to 1500, and one of 20,000): every output and gradient finite,
+    and the first 40 documents (the long one among them) and the last one as if run alone, in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, end = [], 0
+    while True:  # as many as fit, each from a multiple of 64
+        n = 20_000 if len(lengths) == 30 else int(torch.randint(1, 1500, (), generator=gen))
+        if -(-end // 64) * 64 + n > 65536:
+            break
+        lengths.append(n)
+        end = -(-end // 64) * 64 + n
+    assert len(lengths) > 41
+    check_documents([lengths], 65536, 1, 3, 64, NSAArgs(**GPU_HYPER, window_backend="flex"), torch.bfloat16,
+                    docs=40)
+
+
+@pytest.mark.gpu
+def test_compiled_backend_takes_new_documents_without_recompiling():
+    """torch.compile(fullgraph=True) of the backend with documents (FlexAttention window, its BlockMask built from
+    doc_start inside the graph): no graph break, and other document boundaries of the same shape run the same
+    graph."""
+    args = NSAArgs(**GPU_HYPER, window_backend="flex")
+    B, T, H, G, D = 1, 2048, 2, 4, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_cmp = args.num_cmp_blocks(T)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, device="cuda", dtype=torch.bfloat16) for h in (H * G, H, H))
+    k_cmp, v_cmp = (torch.randn(B, n_cmp, H, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gates = torch.rand(B, T, H * G, 3, generator=gen, device="cuda")
+
+    def run(doc_start):
+        return nsa_triton(q, k, v, k, v, k_cmp, v_cmp, gates, args, doc_start=doc_start)[0]
+
+    compiled = torch.compile(run, fullgraph=True)
+    for i, rows in enumerate([[[100, 900, 900]], [[2048]], [[1, 64, 300, 1500]]]):  # each fits in T once aligned
+        doc_start = pack(rows, T, args.sel_block_size, "cuda")[0]
+        want = run(doc_start)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(doc_start)
+        assert rel_err(got, want) <= 1e-2
