@@ -8,16 +8,16 @@ per-block wrapping address them by stable names. `__init__` only allocates (it w
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
+from nsa_models.nsa.flex import flex
 from nsa_models.telemetry import nsa_stats
 
 
@@ -87,12 +87,6 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
 
-@functools.cache
-def _compiled_flex():
-    """flex_attention is fused (O(T) memory) only when compiled: eager callers (an uncompiled model) use this."""
-    return torch.compile(flex_attention, dynamic=False)
-
-
 class Compression(nn.Module):
     """phi: blocks [i*d, i*d + l) of keys (or values) [B, T, H, D] -> [B, Nc, H, D]."""
 
@@ -147,7 +141,6 @@ class DenseAttention(nn.Module):
         k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if isinstance(mask, BlockMask):
-            flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
             # contiguous: Inductor's CPU lowering of flex_attention fails on the rotated views (torch 2.13: "too
             # many values to unpack").
             out = flex(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, enable_gqa=True)

@@ -25,10 +25,11 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from nsa_models.args import BUILT_IN_BACKENDS, NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
+from nsa_models.nsa.flex import flex
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
 
@@ -36,12 +37,6 @@ from nsa_models.nsa.triton_selected import selected_attention
 # D = 128 (torch 2.11, T = 31: "NoValidChoicesError"); the main kernel serves every length, and is what it picks
 # from 128 queries on anyway.
 _WINDOW_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
-
-
-@functools.cache
-def _compiled_flex():
-    """flex_attention is only fused (and memory-lean) when compiled; compile it once, on first use."""
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True,
@@ -90,8 +85,6 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device, doc_start) if block_mask is None else block_mask
-        # Inside torch.compile flex_attention is traced into the caller's graph; eager calls take the compiled one.
-        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
         out = flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=_WINDOW_KERNEL_OPTIONS)
     else:
         t = torch.arange(T, device=q.device)
