@@ -5,6 +5,7 @@
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
     python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
     python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's
+    python bench/attention.py --core-only --documents 1 16 --seq-lens 8192 65536   # what document masking costs
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention (--cmp-backend: Triton, or FlashAttention-4 over
@@ -156,11 +157,10 @@ def gpu_kernel_ms(fn, grad_inputs: list[Tensor], repeats: int = 5) -> float:
     return sum(e.device_time_total for e in prof.key_averages()) / 1e3 / repeats
 
 
-def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, float | str, float | str]]:
-    device = torch.device("cuda")
-    inputs = nsa_inputs(B, T, HQ, H, D)
+def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | str]]:
+    """Each branch of the triton backend alone, then the whole backend eager."""
     q, k, v, k_cmp, v_cmp, gates = inputs
-    scale = D ** -0.5
+    scale = q.shape[-1] ** -0.5
     cmp = (NSA.cmp_block_size, NSA.cmp_stride)
     rows = [(f"compressed ({NSA.cmp_backend})",
              *time_ms(lambda: compressed_attention(q, k_cmp, v_cmp, NSA, scale)[0], [q, k_cmp, v_cmp]))]
@@ -172,10 +172,23 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int) -> list[tuple[str, flo
     lse = None  # free it before the next rows
     rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
+    return rows
+
+
+def bench_length(T: int, B: int, HQ: int, H: int, D: int, core_only: bool = False
+                 ) -> list[tuple[str, float | str, float | str]]:
+    """Rows (name, fwd ms, fwd+bwd ms) at length T: each branch, the core eager and compiled (and per --documents
+    count masked), then the dense baselines and fla's; `core_only`: the compiled core rows alone."""
+    device = torch.device("cuda")
+    inputs = nsa_inputs(B, T, HQ, H, D)
+    q, k, v, k_cmp, v_cmp, gates = inputs
+    rows = [] if core_only else branch_rows(inputs)
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
     for n_docs in DOCUMENTS:
         rows.append((f"{CORE}, {n_docs} document{'s' if n_docs > 1 else ''} masked",
                      *time_ms(nsa_core(inputs, equal_documents(B, T, n_docs, device)), inputs)))
+    if core_only:
+        return rows
 
     qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
     ke, ve = (x.detach().repeat_interleave(HQ // H, dim=1).requires_grad_() for x in (kh, vh))
@@ -300,6 +313,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, nargs="*", default=[], metavar="N",
                         help="also time the compiled core with document masking: N equal documents per row (1: "
                              "the masking's own cost)")
+    parser.add_argument("--core-only", action="store_true",
+                        help="only the compiled core (and its --documents rows): no branch, baseline or fla rows")
     parser.add_argument("--selected", action="store_true",
                         help="only the selected branch: ours eager and compiled, and fla's kernels (G >= 16)")
     parser.add_argument("--profile", action="store_true",
@@ -335,14 +350,14 @@ def main() -> None:
                                           for name in SELECTED_NAMES) + " |", flush=True)
         return
     for T in args.seq_lens:
-        rows = bench_length(T, args.batch, HQ, H, D)
+        rows = bench_length(T, args.batch, HQ, H, D, args.core_only)
         print(f"\n| T={T} | fwd | fwd+bwd |\n|---|---|---|")
         for name, fwd, fwd_bwd in rows:
             print(f"| {name} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
                   f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} |")
         by_name = {name: fwd_bwd for name, _, fwd_bwd in rows}
         nsa = by_name[CORE]
-        print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name['SDPA cuDNN (dense)'])}; "
+        print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name.get('SDPA cuDNN (dense)', 'n/a'))}; "
               f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
               f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
         for name, _, fwd_bwd in rows:

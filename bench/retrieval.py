@@ -8,8 +8,10 @@ bench/e2e.py does): as it is, and with model.nsa.window_only = true, the one dif
 final checkpoint as scripts/eval_passkey.py does (held-out haystacks, lengths from --min-length doubling up to
 data.seq_len, --depths needle depths, --samples keys per cell) and prints one markdown table of teacher-forced
 accuracy on the key's tokens: rows are lengths, columns depths, each cell "NSA / window-only". Writes it, under a
-header naming the command, the window and the machine, to OUT/retrieval.md, beside the sweep's own files (each run's
-checkpoints, output.log and tensorboard events with the [passkey] heat map, in OUT/<cell>).
+header naming the command, the window and the machine, to OUT/retrieval.md, and the last [passkey] heat map each run
+logged to tensorboard (rows lengths, columns depths; red 0, green 1) to OUT/heat_map_nsa.png and
+OUT/heat_map_window_only.png, beside the sweep's own files (each run's checkpoints, output.log and tensorboard events,
+in OUT/<cell>).
 
 Exit status: 0 done; 1 a run failed (its error line is printed; no table); 2 bad input (one `error:` line).
 """
@@ -26,12 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ is not a package: import it from the repo
 from nsa_training.config import ConfigError, load_config  # noqa: E402
-from nsa_training.passkey import PasskeyScore  # noqa: E402
+from nsa_training.passkey import HEAT_MAP_TAG, PasskeyScore  # noqa: E402
 from nsa_training.sweep import add_sweep_arguments, machine, sweep_from_args  # noqa: E402
 from scripts.eval_passkey import score_run  # noqa: E402
 
 ABLATION = "model.nsa.window_only"
 CELLS = [{ABLATION: "false"}, {ABLATION: "true"}]  # the NSA run, then its window-only twin
+LABELS = ["nsa", "window_only"]
 
 
 def comparison_table(nsa: Sequence[PasskeyScore], window_only: Sequence[PasskeyScore]) -> str:
@@ -51,6 +54,21 @@ def comparison_table(nsa: Sequence[PasskeyScore], window_only: Sequence[PasskeyS
         mean = tuple(sum(c[i] for c in cells) / len(cells) for i in (0, 1))
         lines.append(f"| {length} | " + " | ".join(f"{x:.2f} / {y:.2f}" for x, y in [*cells, mean]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def save_heat_maps(out: Path, cells: Sequence[str]) -> list[Path]:
+    """The last [passkey] heat map of each run's tensorboard events (PNG, as logged) as OUT/heat_map_<label>.png;
+    runs that logged none (no evaluation ran) are left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    saved = []
+    for label, cell in zip(LABELS, cells):
+        events = EventAccumulator(str(out / cell / "tb"), size_guidance={"images": 0})  # 0: keep every image
+        events.Reload()
+        if HEAT_MAP_TAG in events.Tags()["images"]:
+            saved.append(out / f"heat_map_{label}.png")
+            saved[-1].write_bytes(events.Images(HEAT_MAP_TAG)[-1].encoded_image_string)
+    return saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
               f"Command: `python bench/retrieval.py {shlex.join(sys.argv[1:] if argv is None else argv)}`\n"
               f"{machine()}\n")
     (args.out / "retrieval.md").write_text(header + table)
-    print("\n" + header + table + f"\nsaved {args.out / 'retrieval.md'}", flush=True)
+    saved = [args.out / "retrieval.md", *save_heat_maps(args.out, [row["cell"] for row in rows])]
+    print("\n" + header + table + f"\nsaved {', '.join(map(str, saved))}", flush=True)
     return 0
 
 

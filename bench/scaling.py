@@ -1,18 +1,20 @@
 """Weak scaling on one host: throughput of each data-parallel plan on 1, 2, 4, ... GPUs at a fixed batch per GPU.
 
     python bench/scaling.py recipes/nsa_125m_ddp.toml --plans ddp fsdp --gpus 1 2 4 --steps 60 --warmup 10
+    python bench/scaling.py recipes/nsa_1b_fsdp2.toml --plans fsdp hsdp --gpus 1 2 4 --dp-replicate 2  # 2 x 2 at 4
     python bench/scaling.py recipes/debug.toml --gpus 1 2 --set training.device=cpu --steps 4 --warmup 1  # gloo
 
 Each GPU count N is one bench/compile_sweep.py sweep over the plans (parallelism.data_parallel = PLAN), every cell
-launched as `PYTHON -m torch.distributed.run --standalone --nproc-per-node N train.py RECIPE ...` in a fresh
-process group. Every rank keeps the recipe's micro-batch (or --set's) and --grad-accum micro-batches per step, so
-training.global_batch_tokens = micro_batch_size * seq_len * N * grad_accum grows with N. Data is synthetic
-(`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
-otherwise. With one process train.py ignores the plan, so 1 GPU is one cell (run with the first plan) whose row
-every plan shares: the unwrapped model, the baseline each plan's communication and sharding overhead is measured
-against. Writes OUT/scaling.md and OUT/scaling.csv, one row per plan and N, and OUT/profile.md, the profiled
-steps' breakdown, on top of each sweep's own files in OUT/<N>gpu/ (logs, tensorboard events: `tensorboard
---logdir OUT`; torch.profiler traces in <cell>/profile/, for https://ui.perfetto.dev).
+launched as `PYTHON -m torch.distributed.run --standalone --nproc-per-node N train.py RECIPE ...` in a fresh process
+group (hsdp cells also set parallelism.dp_replicate = --dp-replicate). Every rank keeps the recipe's micro-batch (or
+--set's) and --grad-accum micro-batches per step, so training.global_batch_tokens = micro_batch_size * seq_len * N *
+grad_accum grows with N. Data is synthetic (`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no
+tokenizer file) unless --set data.source=... says otherwise. With one process train.py ignores the plan, so 1 GPU is
+one cell (run with the first plan) whose row every plan shares: the unwrapped model, the baseline each plan's
+communication and sharding overhead is measured against. Writes OUT/scaling.md and OUT/scaling.csv, one row per plan
+and N, and OUT/profile.md, the profiled steps' breakdown, on top of each sweep's own files in OUT/<N>gpu/ (logs,
+tensorboard events: `tensorboard --logdir OUT`; torch.profiler traces in <cell>/profile/, for
+https://ui.perfetto.dev).
 
 Columns: tokens_per_s = the whole job's median tokens/s after --warmup; tokens_per_s_per_gpu = that / N;
 efficiency = per-GPU tokens/s over the same plan's at its fewest GPUs (1.0: perfect weak scaling); peak_mem_gib
@@ -150,6 +152,15 @@ def torchrun(python: str, nproc: int) -> str:
                        "train.py"])
 
 
+def plan_overrides(plan: str, dp_replicate: int) -> dict[str, str]:
+    """One plan's cell: parallelism.data_parallel, and for hsdp its replica groups (train.py refuses a count that
+    does not divide the GPUs, and that cell's row says so)."""
+    cell = {"parallelism.data_parallel": plan}
+    if plan == "hsdp" and dp_replicate > 1:
+        cell["parallelism.dp_replicate"] = str(dp_replicate)
+    return cell
+
+
 def add_efficiency(rows: list[dict]) -> None:
     """Fill tokens_per_s_per_gpu, and efficiency against the same plan's row with the fewest GPUs."""
     for row in rows:
@@ -165,8 +176,9 @@ def scaling(args: argparse.Namespace) -> list[dict]:
     for name, values in (("--plans", args.plans), ("--gpus", args.gpus)):
         if len(set(values)) != len(values):
             raise ConfigError(f"{name} {' '.join(map(str, values))}: repeated value; list each once")
-    if min(args.gpus) < 1 or args.grad_accum < 1:
-        raise ConfigError(f"--gpus {' '.join(map(str, args.gpus))} --grad-accum {args.grad_accum}: must be >= 1")
+    if min(args.gpus) < 1 or args.grad_accum < 1 or args.dp_replicate < 1:
+        raise ConfigError(f"--gpus {' '.join(map(str, args.gpus))} --grad-accum {args.grad_accum} --dp-replicate "
+                          f"{args.dp_replicate}: must be >= 1")
     unknown = [plan for plan in args.plans if plan not in PLANS]
     if unknown:
         raise ConfigError(f"--plans {' '.join(unknown)}: expected some of {', '.join(PLANS)}")
@@ -191,7 +203,7 @@ def scaling(args: argparse.Namespace) -> list[dict]:
             **vars(args), "out": out / f"{gpus}gpu", "launcher": torchrun(args.python, gpus),
             "set": [*profiling, *args.set, f"training.global_batch_tokens={per_rank * gpus}"]})
         plans = args.plans[:1] if gpus == 1 else args.plans  # one process: every plan is the same cell
-        plan_axis = [{"parallelism.data_parallel": plan} for plan in plans]
+        plan_axis = [plan_overrides(plan, args.dp_replicate if gpus > 1 else 1) for plan in plans]
         for row in sweep_from_args(per_gpu_count, args.recipe, [plan_axis]):
             cell = f"{gpus}gpu/{row['cell']}"
             row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "global_batch_tokens": per_rank * gpus,
@@ -222,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", nargs="+", default=["ddp", "fsdp"], help="values of parallelism.data_parallel")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4], help="process counts (one GPU each)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--dp-replicate", type=int, default=2,
+                        help="the hsdp plan's replica groups (parallelism.dp_replicate; 2 on 4 GPUs: 2 x 2)")
     parser.add_argument("--profile-steps", type=int, default=2,
                         help="profile each cell's last N steps for the communication columns (0: none)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs torchrun and train.py")

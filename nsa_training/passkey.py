@@ -94,6 +94,9 @@ def evaluate_passkey(model: Callable[[torch.Tensor], torch.Tensor], tokenizer: T
     return scores
 
 
+HEAT_MAP_TAG = "passkey/accuracy_length_x_depth"  # the tensorboard image of heat_map()
+
+
 def heat_map(scores: Sequence[PasskeyScore], cell: int = 16) -> torch.Tensor:
     """Accuracy as an RGB image [3, lengths x cell, depths x cell]: rows are lengths (shortest on top), columns
     depths (0 left); red is 0, green is 1."""

@@ -31,6 +31,7 @@ from nsa_training.data import IGNORE_INDEX, build_data_loader
 from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_gib, peak_tflops
 from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from nsa_training.passkey import (
+    HEAT_MAP_TAG,
     depths,
     evaluate_passkey,
     filler_tokens,
@@ -433,7 +434,7 @@ class Trainer:
                                   device=self.device)
         self.model.train()
         self.metrics.log(self.step, passkey_scalars(scores))
-        self.metrics.log_image(self.step, "passkey/accuracy_length_x_depth", heat_map(scores))
+        self.metrics.log_image(self.step, HEAT_MAP_TAG, heat_map(scores))
 
     # -- the loop -----------------------------------------------------------------------------------------------
 

@@ -230,6 +230,14 @@ def test_bench_trains_both_runs_and_tabulates_their_checkpoints(tmp_path):
     table = (out / "retrieval.md").read_text()
     assert accuracy_rows(table) == expected and accuracy_rows(result.stdout) == expected
     assert "window_size 32, data.seq_len 256" in table
+    # Each run's step-2 [passkey] heat map as tensorboard stored it: lengths 128, 256 x 5 depths, 16 pixels a cell.
+    from PIL import Image
+
+    for label in ("nsa", "window_only"):
+        with Image.open(out / f"heat_map_{label}.png") as image:
+            assert image.format == "PNG" and image.size == (5 * 16, 2 * 16)
+            red, green, blue = image.convert("RGB").getpixel((8, 8))
+            assert blue == 0 and red + green in (254, 255, 256)  # red 1 - accuracy, green accuracy
 
 
 def test_bench_bad_input_is_one_line(tmp_path):

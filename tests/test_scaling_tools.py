@@ -25,9 +25,9 @@ def run_script(path: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
     out = tmp_path / "scaling"
-    # hsdp without dp_replicate fails at 2 ranks (train.py's check); at 1 rank every plan shares ddp's cell.
+    # hsdp with 3 replica groups fails at 2 ranks (train.py's check); at 1 rank every plan shares ddp's cell.
     result = run_script("bench/scaling.py", "recipes/debug.toml", "--plans", "ddp", "hsdp", "fsdp", "--gpus", "1",
-                        "2", "--grad-accum", "2", "--out", str(out), *TINY)
+                        "2", "--grad-accum", "2", "--dp-replicate", "3", "--out", str(out), *TINY)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(out / "scaling.csv") as f:
         rows = list(csv.DictReader(f))
@@ -62,7 +62,8 @@ def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
                                                                       rel=1e-4)
     hsdp = by_cell[("hsdp", 2)]
     assert hsdp["status"] == "failed" and hsdp["exit_code"] not in ("", "0")
-    assert hsdp["error"].startswith("error: parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp'")
+    assert hsdp["error"] == ("error: parallelism.dp_replicate = 3 must divide the world size (2): set it to the node "
+                             "count")
     assert hsdp["tokens_per_s"] == hsdp["efficiency"] == ""
 
     # The printed table is the saved one: a row per plan and GPU count, numeric tokens/s where the cell ran.
@@ -109,7 +110,7 @@ def test_per_rank_tokens_and_argument_errors(capsys):
     with pytest.raises(ConfigError, match=r"--set training.micro_batch_size=two: expected a positive integer"):
         tokens_per_rank("recipes/debug.toml", {"training.micro_batch_size": "two"}, 1)
     for args, message in ((["--gpus", "1", "1"], "error: --gpus 1 1: repeated value; list each once"),
-                          (["--gpus", "0"], "error: --gpus 0 --grad-accum 1: must be >= 1"),
+                          (["--gpus", "0"], "error: --gpus 0 --grad-accum 1 --dp-replicate 2: must be >= 1"),
                           (["--launcher", "x"], "error: --launcher: scaling.py launches torchrun itself"),
                           (["--devices", "0"], "error: --devices: each scaling cell uses the first N GPUs"),
                           (["--plans", "ddp", "bogus"], "error: --plans bogus: expected some of ddp, fsdp, hsdp"),
@@ -168,3 +169,28 @@ def test_plot_without_events_is_one_error_line(tmp_path, make_dir):
     assert result.stderr == (f"error: RUN_DIR {run_dir}: no tensorboard event files in it or in its tb/; give a "
                              "run's job.run_dir (metrics.tensorboard = true)\n")
     assert not png.exists()
+
+
+def test_compare_runs_counts_equal_steps_and_finds_the_largest_difference(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    losses = {"a": [5.0 - 0.1 * s for s in range(1, 11)], "b": [5.0 - 0.1 * s for s in range(1, 11)]}
+    losses["b"][6] *= 1.001  # step 7
+    losses["b"][8] *= 1.0005  # step 9
+    for name, values in losses.items():
+        with SummaryWriter(str(tmp_path / name / "tb")) as writer:
+            for step, value in enumerate(values, start=1):
+                writer.add_scalar("train/loss", value, step)
+    runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    result = run_script("scripts/compare_runs.py", *runs, "--from-step", "3", "--rtol", "1e-2")
+    assert result.returncode == 0, result.stderr
+    summary, *table = result.stdout.splitlines()
+    assert summary.startswith(f"train/loss: {runs[0]} (A) vs {runs[1]} (B), steps 3-10: 8 common, 6 bitwise equal; "
+                              "max |A-B| 0.0043")
+    assert summary.endswith("max relative 0.001 (step 7)")
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| 3", "| 7", "| 10"]
+
+    assert run_script("scripts/compare_runs.py", *runs, "--rtol", "1e-4").returncode == 1
+    missing = run_script("scripts/compare_runs.py", *runs, "--tag", "eval/loss")
+    assert missing.returncode == 2 and missing.stderr == (f"error: --tag eval/loss: {runs[0]} did not log it (it has "
+                                                          "train/loss)\n")
