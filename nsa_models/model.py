@@ -13,12 +13,27 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
 from nsa_models.nsa.flex import flex
 from nsa_models.telemetry import nsa_stats
+
+
+def normal_(param: Tensor, std: float) -> None:
+    """Fill `param` from N(0, std^2) as one process would draw it whole, however it is sharded: a DTensor
+    (FSDP2 / HSDP) draws the full tensor with the default generator and keeps its own shard. DTensor's own random
+    ops would give each mesh other numbers, so the same seed would start FSDP on 4 GPUs, HSDP 2 x 2 and one GPU
+    from different weights. Every rank must make the same calls in the same order (same seed)."""
+    if not isinstance(param, DTensor):
+        nn.init.normal_(param, std=std)
+        return
+    full = nn.init.normal_(torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device), std=std)
+    # src_data_rank=None: each rank keeps its slice of its own identical draw, no communication.
+    param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                           .to_local())
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
@@ -113,9 +128,9 @@ class Compression(nn.Module):
 
     def init_weights(self, std: float) -> None:
         if self.kind == "mlp":
-            nn.init.normal_(self.pos_emb, std=std)
+            normal_(self.pos_emb, std=std)
             for fc in (self.fc1, self.fc2):
-                nn.init.normal_(fc.weight, std=std)
+                normal_(fc.weight, std=std)
                 nn.init.zeros_(fc.bias)
 
 
@@ -150,8 +165,8 @@ class DenseAttention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.normal_(lin.weight, std=std)
-        nn.init.normal_(self.wo.weight, std=out_std)
+            normal_(lin.weight, std=std)
+        normal_(self.wo.weight, std=out_std)
 
 
 class NSAAttention(DenseAttention):
@@ -190,7 +205,7 @@ class NSAAttention(DenseAttention):
         super().init_weights(std, out_std)
         self.compress_k.init_weights(std)
         self.compress_v.init_weights(std)
-        nn.init.normal_(self.gate.weight, std=std)
+        normal_(self.gate.weight, std=std)
         nn.init.zeros_(self.gate.bias)  # every branch starts at gate 0.5
 
 
@@ -207,9 +222,9 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w1.weight, std=std)
-        nn.init.normal_(self.w3.weight, std=std)
-        nn.init.normal_(self.w2.weight, std=out_std)
+        normal_(self.w1.weight, std=std)
+        normal_(self.w3.weight, std=std)
+        normal_(self.w2.weight, std=out_std)
 
 
 class TransformerBlock(nn.Module):
@@ -267,12 +282,12 @@ class Transformer(nn.Module):
         with torch.no_grad():
             self.rope = rope_cache(self.args.max_seq_len, self.args.head_dim, self.args.rope_theta, device)
         std = self.args.init_std
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
             block.init_weights(std, self.args.n_layers)
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=self.args.dim ** -0.5)
+            normal_(self.output.weight, std=self.args.dim ** -0.5)
 
     def forward(self, tokens: Tensor, doc_start: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`.

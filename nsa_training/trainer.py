@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nsa_models.args import ModelArgs
 from nsa_models.flops import flops_per_token
 from nsa_models.model import Transformer, document_alignment
 from nsa_models.nsa import check_backend
@@ -83,6 +85,20 @@ class TrainingDiverged(RunFailed):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, DIVERGED_EXIT_CODE)
+
+
+def build_model(model_args: ModelArgs, device: torch.device, apply_plan: Callable[[Transformer], object]
+                ) -> Transformer:
+    """The model as `apply_plan` (parallelize) wraps and shards it, with only this rank's shards allocated on
+    `device`: built on meta, planned, materialised, then initialised. `Transformer.init_weights` draws every
+    parameter whole, so each plan and process count starts from the weights one process draws from the seed."""
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    apply_plan(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
 
 
 class Trainer:
@@ -229,21 +245,9 @@ class Trainer:
             raise ConfigError(str(e)) from None
 
     def _build_model(self) -> torch.nn.Module:
-        # On CUDA: build on meta, shard, then materialise only this rank's shard and initialise it (DTensor's
-        # RNG tracker gives each shard its own numbers). DTensor has no such tracker on CPU, where every rank
-        # would draw the same numbers for its shard: there the model is initialised whole, then sharded.
-        on_meta = self.device.type == "cuda"
-        with torch.device("meta" if on_meta else self.device):
-            model = Transformer(self.config.model)
-        if not on_meta:
-            with torch.no_grad():
-                model.init_weights(buffer_device=self.device)
-        parallelize(model, self.config.parallelism, self.config.activation_checkpoint, self.config.compile,
-                    self.config.float8, self.mesh, self.compute_dtype)
-        if on_meta:
-            model.to_empty(device=self.device)
-            with torch.no_grad():
-                model.init_weights(buffer_device=self.device)
+        model = build_model(self.config.model, self.device, lambda m: parallelize(
+            m, self.config.parallelism, self.config.activation_checkpoint, self.config.compile, self.config.float8,
+            self.mesh, self.compute_dtype))
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "

@@ -30,8 +30,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     """FSDP2 in place: each block is one all-gather / reduce-scatter unit, the root holds the rest.
 
     A 2-D mesh gives HSDP: parameters are sharded over "dp_shard" and replicated over "dp_replicate".
-    On CPU, initialise the model before sharding: DTensor has no CPU RNG tracker, so init_weights() on a
-    sharded meta-device model would fill every rank's shard with the same numbers.
+    Apply it to the meta-device model: `Transformer.init_weights()` then fills each rank's shards with its part of
+    the weights one process would draw, whatever the mesh.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():

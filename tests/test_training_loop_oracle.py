@@ -44,7 +44,9 @@ def plain_loop(config: Config) -> dict:
     """Per-step losses and pre-clip gradient norms, evaluation losses and final parameters of the textbook loop."""
     cfg = config.training
     torch.manual_seed(cfg.seed)
-    model = Transformer(config.model)
+    with torch.device("meta"):  # allocated, not filled: init_weights() alone draws the weights, as in the trainer
+        model = Transformer(config.model)
+    model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
     loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=0, dp_world_size=1, seed=cfg.seed)

@@ -48,9 +48,9 @@ def count(comm: CommDebugMode, names: tuple[str, ...]) -> int:
 
 def train(cfg: ParallelismConfig, accum: int, rank: int, world_size: int) -> tuple[list[torch.Tensor], list]:
     """Final full parameters and, per step, per micro-batch, (gradient reductions, all-gathers)."""
-    model = build_model()
-    parallelize(model, cfg, ActivationCheckpointConfig(), CompileConfig(), Float8Config(),
-                build_mesh(cfg, world_size, "cpu"), torch.float32)
+    mesh = build_mesh(cfg, world_size, "cpu")
+    model = build_model(apply_plan=lambda m: parallelize(m, cfg, ActivationCheckpointConfig(), CompileConfig(),
+                                                         Float8Config(), mesh, torch.float32))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)  # plain SGD: the update is the gradient, scale and all
     collectives = []
     for window in global_batches(STEPS, model.args.vocab_size):

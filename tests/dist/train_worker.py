@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,9 +22,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
+from nsa_training.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig  # noqa: E402
+from nsa_training.trainer import build_model as build_planned_model  # noqa: E402
 from parallelisms import build_mesh, parallelize  # noqa: E402
-from nsa_training.config import (ActivationCheckpointConfig, CompileConfig, Float8Config,  # noqa: E402
-                             ParallelismConfig)
 
 SEQ_LEN, GLOBAL_BATCH = 64, 4
 
@@ -40,14 +42,14 @@ PLANS = {
 }
 
 
-def build_model(flavor: str = "debug", seed: int = 0) -> Transformer:
-    """The flavor with max_seq_len = SEQ_LEN, initialised from `seed` (identical on every rank)."""
+def build_model(flavor: str = "debug", seed: int = 0, apply_plan: Callable[[Transformer], object] | None = None
+                ) -> Transformer:
+    """The flavor with max_seq_len = SEQ_LEN on CPU, planned by `apply_plan` (default: none, one process) and
+    initialised from `seed` as the trainer does it (nsa_training.trainer.build_model)."""
     args = get_flavor(flavor)
     args.max_seq_len = SEQ_LEN
     torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
-    return model
+    return build_planned_model(args, torch.device("cpu"), apply_plan or (lambda model: None))
 
 
 def global_batches(steps: int, vocab_size: int, seed: int = 1) -> list[torch.Tensor]:
@@ -87,9 +89,9 @@ def main(out: str, plans: list[str], steps: int) -> None:
     results = {}
     for name in plans:
         parallelism, ac, compile = PLANS[name]
-        model = build_model()
         mesh = build_mesh(parallelism, world_size, "cpu")
-        parallelize(model, parallelism, ac, compile, Float8Config(), mesh, torch.float32)
+        model = build_model(apply_plan=partial(parallelize, parallelism=parallelism, ac=ac, compile=compile,
+                                               float8=Float8Config(), mesh=mesh, mixed_precision_dtype=torch.float32))
         results[name] = train_losses(model, steps, rank, world_size)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
