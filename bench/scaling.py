@@ -11,10 +11,11 @@ group (hsdp cells also set parallelism.dp_replicate = --dp-replicate). Every ran
 grad_accum grows with N. Data is synthetic (`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no
 tokenizer file) unless --set data.source=... says otherwise. With one process train.py ignores the plan, so 1 GPU is
 one cell (run with the first plan) whose row every plan shares: the unwrapped model, the baseline each plan's
-communication and sharding overhead is measured against. Writes OUT/scaling.md and OUT/scaling.csv, one row per plan
-and N, and OUT/profile.md, the profiled steps' breakdown, on top of each sweep's own files in OUT/<N>gpu/ (logs,
-tensorboard events: `tensorboard --logdir OUT`; torch.profiler traces in <cell>/profile/, for
-https://ui.perfetto.dev).
+communication and sharding overhead is measured against. With compile.mode = auto that cell uses CUDA graphs, which
+FSDP2 and HSDP cannot: they share a second 1-GPU cell in compile.mode = default (`one_gpu_cells`). Writes
+OUT/scaling.md and OUT/scaling.csv, one row per plan and N, and OUT/profile.md, the profiled steps' breakdown, on
+top of each sweep's own files in OUT/<N>gpu/ (logs, tensorboard events: `tensorboard --logdir OUT`; torch.profiler
+traces in <cell>/profile/, for https://ui.perfetto.dev).
 
 Columns: tokens_per_s = the whole job's median tokens/s after --warmup; tokens_per_s_per_gpu = that / N;
 efficiency = per-GPU tokens/s over the same plan's at its fewest GPUs (1.0: perfect weak scaling); peak_mem_gib
@@ -38,6 +39,7 @@ launching too slowly, or waiting) and the kernel time of all-gathers, reduce-sca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -55,6 +57,7 @@ from nsa_training.sweep import (
     save_table,
     sweep_from_args,
 )
+from parallelisms import resolve_compile_mode
 
 COLUMNS = ["plan", "gpus", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",
            "peak_mem_gib", "exposed_comm_ms", "comm_ms", "mfu", "compile_s", "graph_breaks", "recompiles",
@@ -152,6 +155,25 @@ def torchrun(python: str, nproc: int) -> str:
                        "train.py"])
 
 
+def one_gpu_cells(recipe: str, overrides: dict[str, str], plans: list[str]) -> list[tuple[dict[str, str], list[str]]]:
+    """The 1-GPU cells and the plans each one is the baseline of. One process ignores the plan, so plans share a
+    cell, except that `compile.mode = "auto"` gives one process CUDA graphs, which FSDP2 / HSDP cannot use on
+    several GPUs: their baseline is a cell in the mode they run in (`default`), so that their efficiency measures
+    communication and sharding, and the DDP / 1-GPU rows show what the CUDA graphs are worth."""
+    config, _ = load_config([recipe])
+    compile_cfg = dataclasses.replace(config.compile, **{
+        key.removeprefix("compile."): value == "true" if key == "compile.enable" else value
+        for key, value in overrides.items() if key in ("compile.enable", "compile.mode")})
+    device = overrides.get("training.device", config.training.device)
+    groups: dict[str, list[str]] = {}
+    for plan in plans:
+        several = resolve_compile_mode(compile_cfg, device_type=device, data_parallel=plan, world_size=2).mode
+        one = resolve_compile_mode(compile_cfg, device_type=device, data_parallel=plan, world_size=1).mode
+        groups.setdefault("" if not compile_cfg.enable or several == one else several, []).append(plan)
+    return [({"parallelism.data_parallel": shared[0], **({"compile.mode": mode} if mode else {})}, shared)
+            for mode, shared in groups.items()]
+
+
 def plan_overrides(plan: str, dp_replicate: int) -> dict[str, str]:
     """One plan's cell: parallelism.data_parallel, and for hsdp its replica groups (train.py refuses a count that
     does not divide the GPUs, and that cell's row says so)."""
@@ -202,13 +224,15 @@ def scaling(args: argparse.Namespace) -> list[dict]:
         per_gpu_count = argparse.Namespace(**{
             **vars(args), "out": out / f"{gpus}gpu", "launcher": torchrun(args.python, gpus),
             "set": [*profiling, *args.set, f"training.global_batch_tokens={per_rank * gpus}"]})
-        plans = args.plans[:1] if gpus == 1 else args.plans  # one process: every plan is the same cell
-        plan_axis = [plan_overrides(plan, args.dp_replicate if gpus > 1 else 1) for plan in plans]
-        for row in sweep_from_args(per_gpu_count, args.recipe, [plan_axis]):
+        if gpus == 1:  # one process: the plans share a cell per compile mode
+            cells = one_gpu_cells(args.recipe, overrides, args.plans)
+        else:
+            cells = [(plan_overrides(plan, args.dp_replicate), [plan]) for plan in args.plans]
+        results = sweep_from_args(per_gpu_count, args.recipe, [[cell for cell, _ in cells]])
+        for row, (_, shared_by) in zip(results, cells, strict=True):
             cell = f"{gpus}gpu/{row['cell']}"
             row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "global_batch_tokens": per_rank * gpus,
                    "cell": cell}
-            shared_by = args.plans if gpus == 1 else [row["parallelism.data_parallel"]]
             rows += [{**row, "plan": plan} for plan in shared_by]
     rows.sort(key=lambda row: (args.plans.index(row["plan"]), row["gpus"]))
     add_efficiency(rows)

@@ -75,6 +75,23 @@ def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
     assert ddp_two[:3] == ["| ddp", "2", "512"] and float(ddp_two[3].replace(",", "")) > 0
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    # CUDA, compile.mode = auto: one process gets CUDA graphs, FSDP2 / HSDP on several GPUs cannot use them.
+    ({}, [({"parallelism.data_parallel": "ddp"}, ["ddp"]),
+          ({"parallelism.data_parallel": "fsdp", "compile.mode": "default"}, ["fsdp", "hsdp"])]),
+    ({"compile.mode": "default"}, [({"parallelism.data_parallel": "ddp"}, ["ddp", "fsdp", "hsdp"])]),
+    ({"compile.enable": "false"}, [({"parallelism.data_parallel": "ddp"}, ["ddp", "fsdp", "hsdp"])]),
+    ({"training.device": "cpu"}, [({"parallelism.data_parallel": "ddp"}, ["ddp", "fsdp", "hsdp"])]),
+], ids=["auto", "default", "eager", "cpu"])
+def test_one_gpu_baselines_run_in_the_compile_mode_of_their_plans(overrides, expected):
+    from bench.scaling import one_gpu_cells
+
+    # nsa_125m_ddp.toml: CUDA, compiled, compile.mode left at auto.
+    assert one_gpu_cells("recipes/nsa_125m_ddp.toml", overrides, ["ddp", "fsdp", "hsdp"]) == expected
+    fsdp_first = one_gpu_cells("recipes/nsa_125m_ddp.toml", overrides, ["fsdp", "ddp"])
+    assert sorted(plan for _, plans in fsdp_first for plan in plans) == ["ddp", "fsdp"]
+
+
 def kernel(name: str, start: float, end: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
 
