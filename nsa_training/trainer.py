@@ -112,7 +112,7 @@ class Trainer:
         self._build_process_group()
         torch.manual_seed(config.training.seed)
         if config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True)  # also inductor's deterministic mode: no autotuning by timing
             torch.backends.cudnn.benchmark = False
         # Recording starts before the model is built: the snapshot shows parameters, gradients and optimizer state.
         self.memory = (MemorySnapshots(self.run_dir, self.rank, self.device, config.debug.memory_snapshot_step)
