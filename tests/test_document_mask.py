@@ -27,6 +27,7 @@ from nsa_models.nsa import nsa_attention, window_mask  # noqa: E402
 from nsa_models.telemetry import NSA_STATS, nsa_stats  # noqa: E402
 from nsa_training.config import ConfigError, DataConfig, load_config  # noqa: E402
 from nsa_training.data import IGNORE_INDEX, build_data_loader  # noqa: E402
+from nsa_training.trainer import build_model  # noqa: E402
 from tests.helpers import REPO, event_files, scalars  # noqa: E402
 
 # l = 8, d = 4, l' = 8, n = 4 (one free choice beside the three forced blocks), w = 8; chunks of 16 queries cut
@@ -369,9 +370,7 @@ def test_trainer_feeds_document_starts_to_the_model_and_skips_padding(tmp_path, 
     logged = scalars(event_files(run_dir)[0])
     config, _ = load_config(argv)
     torch.manual_seed(config.training.seed)
-    model = Transformer(config.model)
-    with torch.no_grad():
-        model.init_weights()
+    model = build_model(config.model, torch.device("cpu"), lambda m: None)  # the trainer's initial weights
     loader_args = dict(batch_size=2, dp_rank=0, dp_world_size=1, seed=config.training.seed,
                        doc_align=document_alignment(config.model))
     batches = build_data_loader(config.data, split="train", **loader_args)
