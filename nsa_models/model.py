@@ -3,7 +3,8 @@
 Nothing here knows about parallelism: DDP, FSDP2, activation checkpointing, compile and float8 are applied
 from outside (`parallelisms/`). Blocks live in `layers` (a ModuleDict keyed "0".."N-1") so that checkpoints and
 per-block wrapping address them by stable names. `__init__` only allocates (it works on the meta device);
-`init_weights()` fills parameters and buffers after materialisation.
+`init_weights()` fills parameters and buffers after materialisation, sharded (DTensor) or not, with the values one
+process draws from the seed.
 """
 
 from __future__ import annotations
