@@ -39,7 +39,6 @@ launching too slowly, or waiting) and the kernel time of all-gathers, reduce-sca
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
@@ -160,11 +159,10 @@ def one_gpu_cells(recipe: str, overrides: dict[str, str], plans: list[str]) -> l
     cell, except that `compile.mode = "auto"` gives one process CUDA graphs, which FSDP2 / HSDP cannot use on
     several GPUs: their baseline is a cell in the mode they run in (`default`), so that their efficiency measures
     communication and sharding, and the DDP / 1-GPU rows show what the CUDA graphs are worth."""
-    config, _ = load_config([recipe])
-    compile_cfg = dataclasses.replace(config.compile, **{
-        key.removeprefix("compile."): value == "true" if key == "compile.enable" else value
-        for key, value in overrides.items() if key in ("compile.enable", "compile.mode")})
-    device = overrides.get("training.device", config.training.device)
+    # The recipe with the --set keys that decide the mode (the others may not fit the recipe's batch yet).
+    config, _ = load_config([recipe, *(f"--{key}={value}" for key, value in overrides.items()
+                                       if key.startswith("compile.") or key == "training.device")])
+    compile_cfg, device = config.compile, config.training.device
     groups: dict[str, list[str]] = {}
     for plan in plans:
         several = resolve_compile_mode(compile_cfg, device_type=device, data_parallel=plan, world_size=2).mode

@@ -162,6 +162,13 @@ def measure_cell(command: list[str], env: dict[str, str], run_dir: Path, warmup:
     return row
 
 
+def grid_domains(cells: list[Overrides]) -> dict[str, list]:
+    """Every key some cell sets, with its distinct values in grid order. Cells may set different keys
+    (bench/scaling.py: only hsdp's name its replica groups)."""
+    keys = dict.fromkeys(key for cell in cells for key in cell)
+    return {key: list(dict.fromkeys(_as_number(cell[key]) for cell in cells if key in cell)) for key in keys}
+
+
 def write_hparams(tb_dir: Path, overrides: Overrides, row: dict, domains: dict[str, list]) -> None:
     """The cell's overrides and numeric results as a tensorboard hparams session of the run in `tb_dir`."""
     from torch.utils.tensorboard import SummaryWriter
@@ -170,7 +177,7 @@ def write_hparams(tb_dir: Path, overrides: Overrides, row: dict, domains: dict[s
     with SummaryWriter(str(tb_dir)) as writer:
         # run_name ".": the session joins the cell's own run, next to its training curves.
         writer.add_hparams({k: _as_number(v) for k, v in overrides.items()}, metrics,
-                           hparam_domain_discrete=domains, run_name=".")
+                           hparam_domain_discrete={k: domains[k] for k in overrides}, run_name=".")
 
 
 def _show(value) -> str:
@@ -240,8 +247,7 @@ def sweep(recipe: str, axes: list[list[Overrides]], *, overrides: Overrides, ste
     shared_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor_cache"))
 
     cells = [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)]
-    # Every grid key with its distinct values, in grid order: the columns, and the HParams tab's domains.
-    domains = {key: list(dict.fromkeys(_as_number(cell[key]) for cell in cells)) for key in cells[0]}
+    domains = grid_domains(cells)  # the columns, and the HParams tab's domains
     fixed = {"training.steps": str(steps), "metrics.log_freq": "1", "metrics.tensorboard": "true"}
     if measure_only:  # eval time would land in the next step's time; checkpoints and the export cost disk, not speed
         fixed |= {"training.eval_interval": "0", "checkpoint.enable": "false", "checkpoint.export_weights": "false"}

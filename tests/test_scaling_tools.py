@@ -92,6 +92,15 @@ def test_one_gpu_baselines_run_in_the_compile_mode_of_their_plans(overrides, exp
     assert sorted(plan for _, plans in fsdp_first for plan in plans) == ["ddp", "fsdp"]
 
 
+def test_grid_domains_cover_keys_that_only_some_cells_set():
+    from nsa_training.sweep import grid_domains
+
+    cells = [{"parallelism.data_parallel": "hsdp", "parallelism.dp_replicate": "2"},
+             {"parallelism.data_parallel": "fsdp"}, {"parallelism.data_parallel": "ddp", "compile.mode": "default"}]
+    assert grid_domains(cells) == {"parallelism.data_parallel": ["hsdp", "fsdp", "ddp"],
+                                   "parallelism.dp_replicate": [2], "compile.mode": ["default"]}
+
+
 def kernel(name: str, start: float, end: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
 
