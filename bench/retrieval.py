@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ is not a package: import it from the repo
-from nsa_training.config import ConfigError, load_config  # noqa: E402
-from nsa_training.passkey import HEAT_MAP_TAG, PasskeyScore  # noqa: E402
-from nsa_training.sweep import add_sweep_arguments, machine, sweep_from_args  # noqa: E402
-from scripts.eval_passkey import score_run  # noqa: E402
+from nsa_training.config import ConfigError, load_config
+from nsa_training.inference import score_passkey
+from nsa_training.passkey import HEAT_MAP_TAG, PasskeyScore
+from nsa_training.sweep import add_sweep_arguments, machine, sweep_from_args
 
 ABLATION = "model.nsa.window_only"
 CELLS = [{ABLATION: "false"}, {ABLATION: "true"}]  # the NSA run, then its window-only twin
@@ -97,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             return 1
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        nsa, window_only = (score_run(args.out / row["cell"], min_length=min_length, n_depths=args.depths,
-                                      samples=args.samples, key_digits=args.key_digits, seed=args.seed,
-                                      device=device)[0] for row in rows)
+        nsa, window_only = (score_passkey(args.out / row["cell"], min_length=min_length, n_depths=args.depths,
+                                          samples=args.samples, key_digits=args.key_digits, seed=args.seed,
+                                          device=device)[0] for row in rows)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

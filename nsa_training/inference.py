@@ -1,4 +1,5 @@
-"""A trained run, loaded for inference: its model settings, tokenizer and latest checkpoint's weights."""
+"""A trained run, loaded for inference (its model settings, tokenizer and latest checkpoint's weights) and scored
+on passkey retrieval."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nsa_models.model import Transformer
+from nsa_models.model import Transformer, document_alignment
 from nsa_training.checkpoint import CheckpointManager, ModelState
 from nsa_training.config import Config, ConfigError, load_config
+from nsa_training.data import build_data_loader
+from nsa_training.passkey import PasskeyScore, depths, evaluate_passkey, filler_tokens, passkey_lengths
 from nsa_training.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -32,3 +35,22 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[Transformer, Tokenize
     model.init_weights(buffer_device=device)  # buffers (RoPE); the weights come from the checkpoint
     checkpoints.load(path, {"model": ModelState(model)})
     return model.eval(), build_tokenizer(config.data.tokenizer), config, path
+
+
+def score_passkey(run_dir: Path, *, min_length: int, n_depths: int, samples: int, key_digits: int, seed: int,
+              device: torch.device) -> tuple[list[PasskeyScore], Path]:
+    """Passkey scores of the run's latest checkpoint, as the trainer's `[passkey]` evaluation scores (at lengths
+    `min_length` doubling up to its data.seq_len), and the checkpoint's path; ConfigError for a run that cannot be
+    scored so."""
+    model, tokenizer, config, path = load_run(run_dir, device)
+    seq_len = config.data.seq_len
+    if not 0 < min_length <= seq_len:
+        raise ConfigError(f"--min-length {min_length}: must be between 1 and the run's data.seq_len ({seq_len})")
+    # The trainer's held-out loader on one rank: the same filler, so the same samples as its evaluations.
+    loader = build_data_loader(config.data, split="eval", batch_size=config.training.micro_batch_size,
+                               dp_rank=0, dp_world_size=1, seed=config.training.seed,
+                               doc_align=document_alignment(config.model))
+    filler = filler_tokens(loader, seq_len + 1)
+    scores = evaluate_passkey(model, tokenizer, filler, passkey_lengths(min_length, seq_len), depths(n_depths),
+                              samples=samples, key_digits=key_digits, seed=seed, device=device)
+    return scores, path

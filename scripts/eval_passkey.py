@@ -15,26 +15,8 @@ from pathlib import Path
 import torch
 
 from nsa_training.config import ConfigError
-from nsa_training.data import build_data_loader
-from nsa_training.inference import load_run
-from nsa_training.passkey import PasskeyScore, depths, evaluate_passkey, filler_tokens, passkey_lengths, table
-
-
-def score_run(run_dir: Path, *, min_length: int, n_depths: int, samples: int, key_digits: int, seed: int,
-              device: torch.device) -> tuple[list[PasskeyScore], Path]:
-    """The scores of the run's latest checkpoint at lengths `min_length` doubling up to its data.seq_len, and the
-    checkpoint's path; ConfigError for a run that cannot be scored so."""
-    model, tokenizer, config, path = load_run(run_dir, device)
-    seq_len = config.data.seq_len
-    if not 0 < min_length <= seq_len:
-        raise ConfigError(f"--min-length {min_length}: must be between 1 and the run's data.seq_len ({seq_len})")
-    # The trainer's held-out loader on one rank: the same filler, so the same samples as its evaluations.
-    loader = build_data_loader(config.data, split="eval", batch_size=config.training.micro_batch_size,
-                               dp_rank=0, dp_world_size=1, seed=config.training.seed)
-    filler = filler_tokens(loader, seq_len + 1)
-    scores = evaluate_passkey(model, tokenizer, filler, passkey_lengths(min_length, seq_len), depths(n_depths),
-                              samples=samples, key_digits=key_digits, seed=seed, device=device)
-    return scores, path
+from nsa_training.inference import score_passkey
+from nsa_training.passkey import table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        scores, path = score_run(args.run_dir, min_length=args.min_length, n_depths=args.depths, samples=args.samples,
-                                 key_digits=args.key_digits, seed=args.seed, device=torch.device(args.device))
+        scores, path = score_passkey(args.run_dir, min_length=args.min_length, n_depths=args.depths,
+                                     samples=args.samples, key_digits=args.key_digits, seed=args.seed,
+                                     device=torch.device(args.device))
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
