@@ -32,7 +32,7 @@ import argparse
 import dataclasses
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,6 @@ from nsa_models.nsa.triton_selected import selected_attention
 NSA = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512, backend="triton")
 FLEX_WINDOW = dataclasses.replace(NSA, window_backend="flex")  # fla's window (the spec's comparison), whatever NSA's
 CORE = "NSA triton backend, compiled"
-DOCUMENTS: list[int] = []  # --documents: also the compiled core with document masking, per document count
 
 
 def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str) -> Tensor:
@@ -175,16 +174,17 @@ def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | st
     return rows
 
 
-def bench_length(T: int, B: int, HQ: int, H: int, D: int, core_only: bool = False
+def bench_length(T: int, B: int, HQ: int, H: int, D: int, documents: Sequence[int] = (), core_only: bool = False
                  ) -> list[tuple[str, float | str, float | str]]:
-    """Rows (name, fwd ms, fwd+bwd ms) at length T: each branch, the core eager and compiled (and per --documents
-    count masked), then the dense baselines and fla's; `core_only`: the compiled core rows alone."""
+    """Rows (name, fwd ms, fwd+bwd ms) at length T: each branch, the core eager and compiled (and masked, for each
+    count of equal `documents` per row), then the dense baselines and fla's; `core_only`: the compiled core rows
+    alone."""
     device = torch.device("cuda")
     inputs = nsa_inputs(B, T, HQ, H, D)
     q, k, v, k_cmp, v_cmp, gates = inputs
     rows = [] if core_only else branch_rows(inputs)
     rows.append((CORE, *time_ms(nsa_core(inputs), inputs)))
-    for n_docs in DOCUMENTS:
+    for n_docs in documents:
         rows.append((f"{CORE}, {n_docs} document{'s' if n_docs > 1 else ''} masked",
                      *time_ms(nsa_core(inputs, equal_documents(B, T, n_docs, device)), inputs)))
     if core_only:
@@ -325,7 +325,6 @@ def main() -> None:
     # Every (T, heads) recompiles the compiled FlexAttention; past the limit it would run eagerly with T^2 memory.
     torch._dynamo.config.recompile_limit = 64
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
-    DOCUMENTS[:] = args.documents
     # before the core compiles
     NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
     try:  # the recipe's rules for these keys (--float-atomics needs an atomic backward) and their packages
@@ -350,7 +349,7 @@ def main() -> None:
                                           for name in SELECTED_NAMES) + " |", flush=True)
         return
     for T in args.seq_lens:
-        rows = bench_length(T, args.batch, HQ, H, D, args.core_only)
+        rows = bench_length(T, args.batch, HQ, H, D, args.documents, args.core_only)
         print(f"\n| T={T} | fwd | fwd+bwd |\n|---|---|---|")
         for name, fwd, fwd_bwd in rows:
             print(f"| {name} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
