@@ -142,9 +142,10 @@ class DocumentLoader(PackedLoader):
                 n = min(len(self._tokens) - 1, T - pos)  # (input, label) pairs placed in this row
                 inputs[row, pos:pos + n] = self._tokens[:n]
                 labels[row, pos:pos + n] = self._tokens[1:n + 1]
-                doc_start[row, pos:] = pos
                 self._tokens = self._tokens[n:]  # its first token: the next input (or the last label)
-                pos = -(-(pos + n) // self._align) * self._align
+                end = -(-(pos + n) // self._align) * self._align  # the next document's start
+                doc_start[row, pos:end] = pos  # the document and the padding after it
+                pos = end
         return inputs, labels, doc_start
 
 
