@@ -109,11 +109,14 @@ class Trainer:
         self.run_dir = Path(config.job.run_dir)
         self.device = self._pick_device(config.training.device)
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self._build_process_group()
-        torch.manual_seed(config.training.seed)
         if config.debug.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace: without this variable, use_deterministic_algorithms
+            # makes the first CUDA matmul raise. Set before anything creates a cuBLAS handle.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)  # also inductor's deterministic mode: no autotuning by timing
             torch.backends.cudnn.benchmark = False
+        self._build_process_group()
+        torch.manual_seed(config.training.seed)
         # Recording starts before the model is built: the snapshot shows parameters, gradients and optimizer state.
         self.memory = (MemorySnapshots(self.run_dir, self.rank, self.device, config.debug.memory_snapshot_step)
                        if config.debug.memory_snapshot else None)

@@ -3,8 +3,8 @@ selected blocks and gradients that it gets alone (doc_start None), kernel by ker
 
 The oracle cuts each document out (its real tokens, and the compressed blocks from its start on) and runs it alone
 through the same function. CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU) at tiny
-shapes in fp32. GPU (`gpu` marker): real shapes, each window backend that masks documents, and a 64k row of many
-documents.
+shapes in fp32. GPU (`gpu` marker): real shapes, each window and compressed backend, and a 64k row of many
+documents. FlashAttention-4 takes documents as variable-length sequences (`fa4.document_starts`, tested on CPU).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import core, triton_compressed
+from nsa_models.nsa import core, fa4, triton_compressed
 from nsa_models.nsa.core import check_backend
-from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention
+from nsa_models.nsa.triton_backend import nsa_triton, window_attention
 from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
-from tests.helpers import assert_valid_selection, reference_scores
+from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU interpreter tests; with a GPU, the gpu tests below run instead")
@@ -166,27 +166,45 @@ def test_document_ends():
     assert torch.equal(ends[1], torch.tensor([16] * 16 + [128] * 112 + [T_CPU] * (T_CPU - 128), dtype=torch.int32))
 
 
-@pytest.mark.parametrize("key,choice", [("window_backend", "flash_attn"), ("window_backend", "flash_attn_4"),
-                                        ("cmp_backend", "flash_attn_4")])
-def test_library_backends_refuse_documents(key: str, choice: str, monkeypatch):
-    """flash-attn 2 and FlashAttention-4 take documents only as cu_seqlens (a list as long as the batch's number of
-    documents): with document masking they are one config error before training, and the kernels called with
-    doc_start anyway refuse instead of silently attending across documents."""
+def test_fa4_document_sequences():
+    """FlashAttention-4's view of packed documents, against the spans `pack` placed: `document_starts` gives each
+    document's first token in the flattened batch, then B * T per unused slot (one slot per `align` positions);
+    `_document_runs` each document's row and runs [first, last) of d positions, and each run's document's first."""
+    align, d = 16, 8
+    doc_start, spans = pack(ROWS, T_CPU, align)
+    B, slots = len(ROWS), T_CPU // align
+    firsts = [b * T_CPU + start for b, row in enumerate(spans) for start, _ in row]
+    want = torch.tensor(firsts + [B * T_CPU] * (B * slots - len(firsts)), dtype=torch.int32)
+    assert torch.equal(fa4.document_starts(doc_start, align), want)
+    row, first, last, run_first = fa4._document_runs(doc_start, align, d)
+    spans_out = [(b, start // d, -(-end // d)) for b, r in enumerate(spans)
+                 for (start, _), end in zip(r, [s for s, _ in r[1:]] + [T_CPU])]
+    pad = B * slots - len(spans_out)
+    assert list(zip(row.tolist(), first.tolist(), last.tolist())) == spans_out + [(B, 0, 0)] * pad
+    assert torch.equal(run_first, doc_start[:, ::d].long() // d)
+    # T not a multiple of d: the last run of a row, partly padding, is its last document's.
+    _, _, last, _ = fa4._document_runs(doc_start[:, :T_CPU - 3], align, d)
+    assert last[len(spans[0]) - 1] == -(-(T_CPU - 3) // d)
+
+
+def test_flash_attn_refuses_documents(monkeypatch):
+    """flash-attn 2's variable-length path is not wired (flash-attn is not in the GPU image the kernels are tested
+    on): with document masking its window is one config error before training, and the kernel called with
+    doc_start anyway refuses instead of silently attending across documents."""
     monkeypatch.setattr(core, "_importable", lambda name: True)
-    args = NSAArgs(backend="triton", **{key: choice})
-    message = (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
-               + ("'flex' or 'sdpa'" if key == "window_backend" else "'triton'") + ", or data.document_mask = false")
+    args = NSAArgs(backend="triton", window_backend="flash_attn")
+    message = ("model.nsa.window_backend = 'flash_attn' cannot mask packed documents (data.document_mask = true): "
+               "set it to 'flex' or 'sdpa', or data.document_mask = false")
     with pytest.raises(ValueError) as error:
         check_backend(args, torch.device("cuda"), torch.bfloat16, document_mask=True)
     assert str(error.value) == message
-    check_backend(args, torch.device("cuda"), torch.bfloat16)  # without documents they run
-    check_backend(NSAArgs(backend="triton"), torch.device("cuda"), torch.bfloat16, document_mask=True)
+    check_backend(args, torch.device("cuda"), torch.bfloat16)  # without documents it runs
+    for fa4_args in (NSAArgs(backend="triton"), NSAArgs(backend="triton", window_backend="flash_attn_4",
+                                                        cmp_backend="flash_attn_4")):
+        check_backend(fa4_args, torch.device("cuda"), torch.bfloat16, document_mask=True)
     x, doc_start = torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, dtype=torch.int32)
     with pytest.raises(ValueError, match="cannot mask packed documents"):
-        if key == "window_backend":
-            window_attention(x, x, x, args, doc_start=doc_start)
-        else:
-            compressed_attention(x, x, x, args, 0.25, doc_start)
+        window_attention(x, x, x, args, doc_start=doc_start)
 
 
 # --- GPU: real shapes ------------------------------------------------------------------------------------------
@@ -199,7 +217,7 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
                     docs: int | None = None) -> None:
     """The packed backend against each document alone (the first `docs` of each row and its last; all by default),
     on the GPU; alone, the window runs through masked SDPA (exact, and no FlexAttention compile per document
-    length).
+    length) and the compressed branch through the Triton kernel.
     Sums in another order may rank near-equal selection scores differently: the packed choice must be a valid
     top-n of the document's own scores, and the document alone then attends to the blocks the packed run chose."""
     B = len(rows)
@@ -226,7 +244,8 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
                      for name, x in zip(names, leaves)]
             own_idx = alone_indices(idx[b:b + 1, :, rows_], -start, args.sel_block_size)  # numbered from its start
             assert_valid_selection(own_idx, reference_scores(alone[0], alone[3], args), args.n_selected, tol=1e-3)
-            want, _, _ = call(*alone, replace(args, window_backend="sdpa"), block_indices=own_idx)
+            want, _, _ = call(*alone, replace(args, window_backend="sdpa", cmp_backend="triton"),
+                              block_indices=own_idx)
             want_grads = torch.autograd.grad((want.float() * cot[b:b + 1, rows_]).sum(), alone)
             doc = f"document ({b}, {start}, {length})"
             assert rel_err(out[b:b + 1, rows_], want) <= TOL[dtype], doc
@@ -236,13 +255,22 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
                 assert rel_err(got, w) <= TOL[dtype], f"{doc}: grad of {name} rel err {rel_err(got, w):.2e}"
 
 
+# (window, compressed, dtype): FlashAttention-4 runs bf16 only.
+BACKEND_CASES = [("flex", "triton", torch.float32), ("flex", "triton", torch.bfloat16),
+                 ("sdpa", "triton", torch.float32), ("sdpa", "triton", torch.bfloat16),
+                 ("flash_attn_4", "triton", torch.bfloat16), ("flex", "flash_attn_4", torch.bfloat16),
+                 ("flash_attn_4", "flash_attn_4", torch.bfloat16)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("window_backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("window_backend,cmp_backend,dtype", BACKEND_CASES,
+                         ids=[f"{w}-{c}-{str(t)[6:]}" for w, c, t in BACKEND_CASES])
 @pytest.mark.parametrize("G,D", [(3, 64), (16, 128)])
-def test_backend_per_document_gpu(G: int, D: int, window_backend: str, dtype: torch.dtype):
+def test_backend_per_document_gpu(G: int, D: int, window_backend: str, cmp_backend: str, dtype: torch.dtype):
     """Documents shorter than a block, longer than the window, odd lengths, one row a single document."""
-    args = NSAArgs(**GPU_HYPER, window_backend=window_backend)
+    if "flash_attn_4" in (window_backend, cmp_backend):
+        needs_flash_attn_4()
+    args = NSAArgs(**GPU_HYPER, window_backend=window_backend, cmp_backend=cmp_backend)
     check_documents([[40, 700, 1501, 1000, 777], [4113]], 4160, 2, G, D, args, dtype)
 
 
@@ -264,11 +292,15 @@ def test_64k_micro_batch_of_many_documents():
 
 
 @pytest.mark.gpu
-def test_compiled_backend_takes_new_documents_without_recompiling():
+@pytest.mark.parametrize("fa4_backends", [False, True], ids=["flex-triton", "flash_attn_4"])
+def test_compiled_backend_takes_new_documents_without_recompiling(fa4_backends: bool):
     """torch.compile(fullgraph=True) of the backend with documents (FlexAttention window, its BlockMask built from
-    doc_start inside the graph): no graph break, and other document boundaries of the same shape run the same
-    graph."""
-    args = NSAArgs(**GPU_HYPER, window_backend="flex")
+    doc_start inside the graph; or FlashAttention-4's window and compressed branch, documents as sequences): no
+    graph break, and other document boundaries of the same shape run the same graph."""
+    if fa4_backends:
+        needs_flash_attn_4()
+    args = NSAArgs(**GPU_HYPER, **({"window_backend": "flash_attn_4", "cmp_backend": "flash_attn_4"} if fa4_backends
+                                   else {"window_backend": "flex"}))
     B, T, H, G, D = 1, 2048, 2, 4, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_cmp = args.num_cmp_blocks(T)

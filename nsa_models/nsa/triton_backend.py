@@ -13,9 +13,9 @@ Same contract as `nsa_reference`. Branches:
   backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
 
 Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
-before each query's document, the FlexAttention and SDPA windows stop at its start, and the selected branch is
-unchanged. flash-attn and FlashAttention-4 take documents only as cu_seqlens and refuse them here
-(`documents_unsupported`; `core.check_backend` says so before training).
+before each query's document, the FlexAttention and SDPA windows stop at its start, FlashAttention-4 runs each
+document as one of its variable-length sequences (`fa4`), and the selected branch is unchanged. flash-attn 2
+refuses them (`documents_unsupported`; `core.check_backend` says so before training).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
     block_mask: the FlexAttention window mask (`window_block_mask`, of the same documents), built here when
     None."""
     T, w = q.shape[1], args.window_size
-    if doc_start is not None and args.window_backend in ("flash_attn", "flash_attn_4"):
+    if doc_start is not None and args.window_backend == "flash_attn":
         raise ValueError(documents_unsupported("window_backend", args.window_backend))
     if args.window_backend == "flash_attn":
         from flash_attn import flash_attn_func
@@ -81,7 +81,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
         # deterministic unless the recipe opts in to atomics: a bitwise-repeatable backward, as every NSA kernel's
         return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=not args.float_atomics)
     if args.window_backend == "flash_attn_4":
-        return fa4_window_attention(q, k, v, w, deterministic=not args.float_atomics)
+        return fa4_window_attention(q, k, v, w, not args.float_atomics, doc_start, args.sel_block_size)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         block_mask = window_block_mask(T, w, q.device, doc_start) if block_mask is None else block_mask
@@ -106,10 +106,8 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs,
                          doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
     if args.cmp_backend == "flash_attn_4":
-        if doc_start is not None:
-            raise ValueError(documents_unsupported("cmp_backend", args.cmp_backend))
         return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
-                                        deterministic=not args.float_atomics)
+                                        not args.float_atomics, doc_start, args.sel_block_size)
     return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start)
 
 
