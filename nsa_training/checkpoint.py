@@ -81,7 +81,19 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        if self.optimizer.state:
+            return get_optimizer_state_dict(self.model, self.optimizer)
+        # Before the first step this dict is what a resume loads into, so it must hold every state tensor. torch
+        # creates them (a zero-LR step on zero gradients) only while no parameter holds a gradient, and a run under
+        # CUDA graphs holds its own from the start: left as they are, the load would restore no Adam moment.
+        held = {p: p.grad for p in self.model.parameters()}
+        for p in held:
+            p.grad = None
+        try:
+            return get_optimizer_state_dict(self.model, self.optimizer)
+        finally:
+            for p, grad in held.items():
+                p.grad = grad
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)

@@ -75,7 +75,7 @@ class Cursor:
 class Run:
     """A tiny training run: model, AdamW, LambdaLR warmup, per-rank data cursor and RNG."""
 
-    def __init__(self, seed: int, fsdp: bool = False) -> None:
+    def __init__(self, seed: int, fsdp: bool = False, own_grads: bool = False) -> None:
         torch.manual_seed(seed)
         self.model = TinyNet()
         if fsdp:
@@ -85,6 +85,10 @@ class Run:
                 fully_shard(block)
             fully_shard(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.own_grads = own_grads  # gradients allocated up front and zeroed in place, as under CUDA graphs
+        if own_grads:
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 4))
         self.cursor = Cursor(position=100 * dist.get_rank())
         self.states = {
@@ -101,7 +105,7 @@ class Run:
         loss = (self.model(x) - 1).pow(2).mean()
         loss.backward()
         self.opt.step()
-        self.opt.zero_grad()
+        self.opt.zero_grad(set_to_none=not self.own_grads)
         self.sched.step()
         self.cursor.advance()
         return loss.item()
@@ -139,16 +143,19 @@ def names(mgr: CheckpointManager) -> list[str]:
     return sorted(p.name for p in mgr.folder.iterdir())
 
 
-def test_round_trip_continues_bitwise(pg, tmp_path):
+@pytest.mark.parametrize("own_grads", [False, True], ids=["grads-none", "grads-held"])
+def test_round_trip_continues_bitwise(pg, tmp_path, own_grads):
+    """Everything comes back; also when the parameters hold gradients before the load (the trainer under CUDA
+    graphs), where torch does not initialise the optimizer state that the checkpoint is loaded into."""
     mgr = CheckpointManager(CheckpointConfig(interval=3), tmp_path)
-    ref = Run(seed=0)
+    ref = Run(seed=0, own_grads=own_grads)
     seed_rngs(1)
     for step in range(1, 4):
         ref.step()
         mgr.save(step, ref.states)
     ref_losses = [ref.step() for _ in range(3)]
 
-    resumed = Run(seed=7)
+    resumed = Run(seed=7, own_grads=own_grads)
     seed_rngs(2)  # different init and RNG state: all of it must come from the checkpoint
     path = mgr.resume_path()
     assert path == tmp_path / "checkpoints" / "step-00000003"
