@@ -73,6 +73,20 @@ def cut(x: Tensor, b: int, start: int, length: int, args: NSAArgs, compressed: b
     return x.detach()[b:b + 1, first:first + n].clone().requires_grad_()
 
 
+def assert_zero_outside_documents(grads: list[Tensor], names: list[str], spans: list, args: NSAArgs) -> None:
+    """The gradient rows that no document's own run covers are exactly zero: padding tokens (their outputs have a
+    zero cotangent) and the compressed blocks that end past their document's last token (no real query sees one).
+    A kernel that leaves them unwritten fails here."""
+    for name, g in zip(names, grads):
+        compressed = name in ("k_cmp", "v_cmp")
+        outside = torch.ones(g.shape[:2], dtype=torch.bool, device=g.device)
+        for b, row in enumerate(spans):
+            for start, length in row:
+                first = start // args.cmp_stride if compressed else start
+                outside[b, first:first + (args.num_cmp_blocks(length) if compressed else length)] = False
+        assert (g[outside] == 0).all(), f"grad of {name}: nonzero rows outside every document"
+
+
 def alone_indices(idx: Tensor, start: int, sel_block: int) -> Tensor:
     """Block indices of a document run alone, numbered as in the packed row."""
     return torch.where(idx >= 0, idx + start // sel_block, idx)
@@ -141,6 +155,7 @@ def test_backend_per_document():
     cot = torch.randn(out.shape, generator=gen) * real_tokens(spans, T)
     grads = torch.autograd.grad((out * cot).sum(), leaves)
     assert torch.isfinite(out).all()
+    assert_zero_outside_documents(grads, NAMES, spans, args)
     for b, row in enumerate(spans):
         for start, length in row:
             rows = slice(start, start + length)
@@ -237,6 +252,7 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
     grads = torch.autograd.grad((out.float() * cot).sum(), leaves)
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     names = ["q", "k", "v", "k_cmp", "v_cmp", "gates"]
+    assert_zero_outside_documents(grads, names, spans, args)
     for b, row in enumerate(spans):
         for start, length in row if docs is None else row[:docs] + row[-1:]:
             rows_ = slice(start, start + length)

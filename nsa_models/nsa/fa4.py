@@ -42,7 +42,8 @@ def fa4_causal_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, d
 
     Variable length: q [total_q, HQ, D], k, v [total_k, H, D] hold sequences b at rows cu_seqlens_q[b] ..
     (cu_seqlens_k[b] ..) of length cu_seqlens_*[b + 1] - cu_seqlens_*[b], or seqused[b] (queries and keys alike)
-    when given; o [total_q, HQ, D], lse [HQ, total_q]; rows outside every sequence are left unwritten."""
+    when given; o [total_q, HQ, D], lse [HQ, total_q]; rows outside every sequence (seqused shorter than the
+    cu_seqlens span) are left unwritten."""
     out, lse, *_ = _kernels()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused, seqused_k=seqused,
         max_seqlen_q=max_seqlen_q or None, max_seqlen_k=max_seqlen_k or None, softmax_scale=scale, causal=True,
@@ -65,12 +66,14 @@ def fa4_causal_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    cu_seqlens_k: Tensor | None = None, seqused: Tensor | None = None, max_seqlen_q: int = 0,
                    max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (dlse: the lse's cotangent, or None); bitwise repeatable when deterministic, else accumulated
-    with float atomics (faster). The varlen arguments as `fa4_causal_fwd`'s."""
+    with float atomics (faster). The varlen arguments as `fa4_causal_fwd`'s; rows outside every sequence get zero
+    gradients (FA4 writes only the sequences' rows: they start as zeros here, not as whatever memory was free)."""
+    grads = [torch.zeros_like(x) for x in (q, k, v)] if seqused is not None else [None] * 3
     return tuple(_kernels()._flash_attn_bwd(
         q, k, v, o, do, lse, scale, True, 0.0, window_size_left=_window_left(window), window_size_right=0,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused, seqused_k=seqused,
         max_seqlen_q=max_seqlen_q or None, max_seqlen_k=max_seqlen_k or None, deterministic=deterministic,
-        dlse=dlse))
+        dq=grads[0], dk=grads[1], dv=grads[2], dlse=dlse))
 
 
 @fa4_causal_bwd.register_fake
