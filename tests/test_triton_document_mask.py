@@ -202,24 +202,26 @@ def test_fa4_document_sequences():
     assert last[len(spans[0]) - 1] == -(-(T_CPU - 3) // d)
 
 
-def test_flash_attn_refuses_documents(monkeypatch):
+@pytest.mark.parametrize("key,choice", [("window_backend", "flash_attn"), ("cmp_backend", "flash_attn_4")])
+def test_library_backends_without_documents_refuse_them(key: str, choice: str, monkeypatch):
     """flash-attn 2's variable-length path is not wired (flash-attn is not in the GPU image the kernels are tested
-    on): with document masking its window is one config error before training, and the kernel called with
-    doc_start anyway refuses instead of silently attending across documents."""
+    on), and FA4's compressed branch with documents waits for its GPU test: with document masking each is one
+    config error before training (FA4's window is not); flash-attn 2's window called with doc_start anyway refuses
+    instead of silently attending across documents."""
     monkeypatch.setattr(core, "_importable", lambda name: True)
-    args = NSAArgs(backend="triton", window_backend="flash_attn")
-    message = ("model.nsa.window_backend = 'flash_attn' cannot mask packed documents (data.document_mask = true): "
-               "set it to 'flex' or 'sdpa', or data.document_mask = false")
+    args = NSAArgs(backend="triton", **{key: choice})
+    message = (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
+               + ("'flex' or 'sdpa'" if key == "window_backend" else "'triton'") + ", or data.document_mask = false")
     with pytest.raises(ValueError) as error:
         check_backend(args, torch.device("cuda"), torch.bfloat16, document_mask=True)
     assert str(error.value) == message
     check_backend(args, torch.device("cuda"), torch.bfloat16)  # without documents it runs
-    for fa4_args in (NSAArgs(backend="triton"), NSAArgs(backend="triton", window_backend="flash_attn_4",
-                                                        cmp_backend="flash_attn_4")):
-        check_backend(fa4_args, torch.device("cuda"), torch.bfloat16, document_mask=True)
-    x, doc_start = torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, dtype=torch.int32)
-    with pytest.raises(ValueError, match="cannot mask packed documents"):
-        window_attention(x, x, x, args, doc_start=doc_start)
+    check_backend(NSAArgs(backend="triton", window_backend="flash_attn_4"), torch.device("cuda"), torch.bfloat16,
+                  document_mask=True)
+    if key == "window_backend":
+        x, doc_start = torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, dtype=torch.int32)
+        with pytest.raises(ValueError, match="cannot mask packed documents"):
+            window_attention(x, x, x, args, doc_start=doc_start)
 
 
 # --- GPU: real shapes ------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ Same contract as `nsa_reference`. Branches:
 
 Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
 before each query's document, the FlexAttention and SDPA windows stop at its start, FlashAttention-4 runs each
-document as one of its variable-length sequences (`fa4`), and the selected branch is unchanged. flash-attn 2
-refuses them (`documents_unsupported`; `core.check_backend` says so before training).
+document as one of its variable-length sequences (`fa4`), and the selected branch is unchanged. flash-attn 2's
+window refuses them (`documents_unsupported`); `core.check_backend` says so before training, and refuses FA4's
+compressed branch with documents until its GPU test passes.
 """
 
 from __future__ import annotations
