@@ -20,7 +20,7 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa import fa4
 from nsa_models.nsa.triton_backend import window_attention
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
-from tests.test_triton_document_mask import ROWS, T_CPU, pack, real_tokens, rel_err
+from tests.helpers import ROWS, T_CPU, pack, real_tokens, rel_err
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter test; on a GPU the real FA4 kernels are tested")

@@ -21,49 +21,20 @@ from nsa_models.nsa import core, fa4, triton_compressed
 from nsa_models.nsa.core import check_backend
 from nsa_models.nsa.triton_backend import nsa_triton, window_attention
 from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
-from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores
+from tests.helpers import (
+    ROWS,
+    T_CPU,
+    assert_valid_selection,
+    needs_flash_attn_4,
+    pack,
+    real_tokens,
+    reference_scores,
+    rel_err,
+)
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU interpreter tests; with a GPU, the gpu tests below run instead")
-# Per row, the lengths of its documents: shorter than a compressed and a selection block (5), odd lengths, longer than
-# the window (90, 100), and a tail of padding after the last one. With l' = 16 they start at 0, 32, 128 and 0, 16,
-# 128; compressed blocks of l = 2d straddle each start. At d = 4 the document at 32 starts inside the first 16
-# compressed blocks, after some of the first document's, and runs past the queries that see all 16 causally (the
-# unmasked query steps of dK/dV's first key tile must not reach it).
-ROWS, T_CPU = [[20, 90, 29], [5, 100, 20]], 160
 NAMES = ["q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates"]
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / ||b||; the RMS of a - b where b is numerically zero (no compressed block, say)."""
-    diff, scale = (a.double() - b.double()).norm().item(), b.double().norm().item()
-    return diff / scale if scale > 1e-6 * max(1, b.numel()) ** 0.5 else diff / max(1, b.numel()) ** 0.5
-
-
-def pack(rows: list[list[int]], seq_len: int, align: int, device: str = "cpu") -> tuple[Tensor, list]:
-    """doc_start [B, T] int32 of documents of these lengths packed from position 0 of each row, each starting at a
-    multiple of `align` (the padding after a document, and the row's tail, count as part of it), and each row's
-    documents as (start, length)."""
-    doc_start = torch.zeros(len(rows), seq_len, dtype=torch.int32)
-    spans = []
-    for b, lengths in enumerate(rows):
-        start, row = 0, []
-        for length in lengths:
-            assert start + length <= seq_len
-            doc_start[b, start:] = start
-            row.append((start, length))
-            start = -(-(start + length) // align) * align
-        spans.append(row)
-    return doc_start.to(device), spans
-
-
-def real_tokens(spans: list, seq_len: int, device: str = "cpu") -> Tensor:
-    """[B, T, 1, 1] float: 1 on the documents' tokens, 0 on padding (no loss reads a padding row's output)."""
-    mask = torch.zeros(len(spans), seq_len, 1, 1, device=device)
-    for b, row in enumerate(spans):
-        for start, length in row:
-            mask[b, start:start + length] = 1
-    return mask
 
 
 def cut(x: Tensor, b: int, start: int, length: int, args: NSAArgs, compressed: bool) -> Tensor:
