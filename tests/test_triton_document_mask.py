@@ -4,7 +4,8 @@ selected blocks and gradients that it gets alone (doc_start None), kernel by ker
 The oracle cuts each document out (its real tokens, and the compressed blocks from its start on) and runs it alone
 through the same function. CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU) at tiny
 shapes in fp32. GPU (`gpu` marker): real shapes, each window and compressed backend, and a 64k row of many
-documents. FlashAttention-4 takes documents as variable-length sequences (`fa4.document_starts`, tested on CPU).
+documents. The libraries take documents as variable-length sequences (`varlen`; their plumbing:
+tests/test_library_plumbing.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from torch import Tensor
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import core, fa4, triton_compressed
+from nsa_models.nsa import core, fa4, triton_compressed, varlen
 from nsa_models.nsa.core import check_backend
-from nsa_models.nsa.triton_backend import nsa_triton, window_attention
+from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
 from tests.helpers import (
     ROWS,
@@ -152,16 +153,18 @@ def test_document_ends():
     assert torch.equal(ends[1], torch.tensor([16] * 16 + [128] * 112 + [T_CPU] * (T_CPU - 128), dtype=torch.int32))
 
 
-def test_fa4_document_sequences():
-    """FlashAttention-4's view of packed documents, against the spans `pack` placed: `document_starts` gives each
-    document's first token in the flattened batch, then B * T per unused slot (one slot per `align` positions);
-    `_document_runs` each document's row and runs [first, last) of d positions, and each run's document's first."""
+def test_library_document_sequences():
+    """The libraries' view of packed documents, against the spans `pack` placed: `varlen.document_starts` gives
+    each document's first token in the flattened batch, then B * T per unused slot (one slot per `align`
+    positions); FA4's `_document_runs` each document's row and runs [first, last) of d positions, and each run's
+    document's first."""
     align, d = 16, 8
     doc_start, spans = pack(ROWS, T_CPU, align)
     B, slots = len(ROWS), T_CPU // align
     firsts = [b * T_CPU + start for b, row in enumerate(spans) for start, _ in row]
     want = torch.tensor(firsts + [B * T_CPU] * (B * slots - len(firsts)), dtype=torch.int32)
-    assert torch.equal(fa4.document_starts(doc_start, align), want)
+    assert torch.equal(varlen.document_starts(doc_start, align), want)
+    assert torch.equal(varlen.document_cu_seqlens(doc_start, align), torch.cat([want, want.new_tensor([B * T_CPU])]))
     row, first, last, run_first = fa4._document_runs(doc_start, align, d)
     spans_out = [(b, start // d, -(-end // d)) for b, r in enumerate(spans)
                  for (start, _), end in zip(r, [s for s, _ in r[1:]] + [T_CPU])]
@@ -173,26 +176,19 @@ def test_fa4_document_sequences():
     assert last[len(spans[0]) - 1] == -(-(T_CPU - 3) // d)
 
 
-@pytest.mark.parametrize("key,choice", [("window_backend", "flash_attn"), ("cmp_backend", "flash_attn_4")])
-def test_library_backends_without_documents_refuse_them(key: str, choice: str, monkeypatch):
-    """flash-attn 2's variable-length path is not wired (flash-attn is not in the GPU image the kernels are tested
-    on), and FA4's compressed branch with documents waits for its GPU test: with document masking each is one
-    config error before training (FA4's window is not); flash-attn 2's window called with doc_start anyway refuses
-    instead of silently attending across documents."""
+def test_fa4_compressed_branch_refuses_documents(monkeypatch):
+    """FA4's compressed branch with documents waits for its GPU test: with document masking it is one config error
+    before training; without documents it runs, and the library windows take documents."""
     monkeypatch.setattr(core, "_importable", lambda name: True)
-    args = NSAArgs(backend="triton", **{key: choice})
-    message = (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
-               + ("'flex' or 'sdpa'" if key == "window_backend" else "'triton'") + ", or data.document_mask = false")
+    args = NSAArgs(backend="triton", cmp_backend="flash_attn_4")
     with pytest.raises(ValueError) as error:
         check_backend(args, torch.device("cuda"), torch.bfloat16, document_mask=True)
-    assert str(error.value) == message
-    check_backend(args, torch.device("cuda"), torch.bfloat16)  # without documents it runs
-    check_backend(NSAArgs(backend="triton", window_backend="flash_attn_4"), torch.device("cuda"), torch.bfloat16,
-                  document_mask=True)
-    if key == "window_backend":
-        x, doc_start = torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, dtype=torch.int32)
-        with pytest.raises(ValueError, match="cannot mask packed documents"):
-            window_attention(x, x, x, args, doc_start=doc_start)
+    assert str(error.value) == ("model.nsa.cmp_backend = 'flash_attn_4' cannot mask packed documents "
+                                "(data.document_mask = true): set it to 'triton', or data.document_mask = false")
+    check_backend(args, torch.device("cuda"), torch.bfloat16)
+    for window in ("flash_attn", "flash_attn_4"):
+        check_backend(NSAArgs(backend="triton", window_backend=window), torch.device("cuda"), torch.bfloat16,
+                      document_mask=True)
 
 
 # --- GPU: real shapes ------------------------------------------------------------------------------------------
@@ -248,7 +244,7 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
 BACKEND_CASES = [("flex", "triton", torch.float32), ("flex", "triton", torch.bfloat16),
                  ("sdpa", "triton", torch.float32), ("sdpa", "triton", torch.bfloat16),
                  ("flash_attn_4", "triton", torch.bfloat16), ("flex", "flash_attn_4", torch.bfloat16),
-                 ("flash_attn_4", "flash_attn_4", torch.bfloat16)]
+                 ("flash_attn_4", "flash_attn_4", torch.bfloat16), ("flash_attn", "triton", torch.bfloat16)]
 
 
 @pytest.mark.gpu
@@ -259,6 +255,8 @@ def test_backend_per_document_gpu(G: int, D: int, window_backend: str, cmp_backe
     """Documents shorter than a block, longer than the window, odd lengths, one row a single document."""
     if "flash_attn_4" in (window_backend, cmp_backend):
         needs_flash_attn_4()
+    if window_backend == "flash_attn":
+        pytest.importorskip("flash_attn.flash_attn_interface", reason="flash-attn 2 is not installed")
     args = NSAArgs(**GPU_HYPER, window_backend=window_backend, cmp_backend=cmp_backend)
     check_documents([[40, 700, 1501, 1000, 777], [4113]], 4160, 2, G, D, args, dtype)
 

@@ -20,7 +20,7 @@ _selection_ops = [torch.ops.nsa.select_blocks.default]
 # The fused attention kernels: costly to recompute, so selective checkpointing saves their outputs too.
 _attention_ops = []
 try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it, then "triton" is not offered
-    from nsa_models.nsa.triton_backend import documents_unsupported, nsa_triton
+    from nsa_models.nsa.triton_backend import nsa_triton
 
     BACKENDS["triton"] = nsa_triton
     _selection_ops.append(torch.ops.nsa.select_topn.default)
@@ -61,11 +61,11 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype, docum
         if choice == "flash_attn_4" and dtype != torch.bfloat16:
             raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
                              f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
-        # Documents reach the libraries as variable-length sequences. flash-attn 2's are not wired (it is not in the
-        # GPU image these kernels are tested on); FA4's compressed branch with documents has not passed its GPU test
-        # (tests/test_triton_document_mask.py) yet, its window has.
-        if document_mask and (choice == "flash_attn" or (key == "cmp_backend" and choice == "flash_attn_4")):
-            raise ValueError(documents_unsupported(key, choice))
+        # FA4's compressed branch with documents has not passed its GPU test (tests/test_triton_document_mask.py)
+        # yet; the library windows take documents as variable-length sequences.
+        if document_mask and key == "cmp_backend" and choice == "flash_attn_4":
+            raise ValueError(f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): "
+                             f"set it to {built_in[0]!r}, or data.document_mask = false")
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,

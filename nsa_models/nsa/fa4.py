@@ -9,9 +9,8 @@ a fixed order), as every other NSA kernel here: bitwise repeatable, measured up 
 (docs/KERNELS.md); `model.nsa.float_atomics` opts in to the atomic mode. Written against
 flash-attn-4 4.0.0b36, whose `_flash_attn_fwd` / `_flash_attn_bwd` are the functions its autograd.Function calls.
 
-Packed documents reach FA4 as its variable-length sequences (cu_seqlens over the flattened batch): documents start
-at multiples of the selection block, so a row holds at most T / l' of them, and that bound, with the unused slots as
-empty sequences, keeps every shape static as the documents change (no recompiles, no host sync).
+Packed documents reach FA4 as its variable-length sequences (`varlen`): the window one sequence per document, the
+compressed branch one per document of its packed runs.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from nsa_models.nsa.varlen import document_cu_seqlens, document_starts
 
 
 def _kernels():
@@ -97,17 +98,6 @@ def _backward(ctx, do, dlse):
 fa4_causal_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def document_starts(doc_start: Tensor, align: int) -> Tensor:
-    """Where each packed document starts, as rows of the flattened [B * T] tokens, in order, then B * T for each
-    unused slot: int32 [B * ceil(T / align)]. doc_start [B, T] (`Transformer.forward`) starts documents at multiples
-    of `align`, so that is the bound on their number."""
-    B, T = doc_start.shape
-    slots = torch.arange(0, T, align, device=doc_start.device)
-    row = torch.arange(B, device=doc_start.device)[:, None] * T
-    starts = torch.where(doc_start[:, slots] == slots, row + slots, B * T)
-    return starts.flatten().sort().values.to(torch.int32)
-
-
 def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, deterministic: bool = True,
                          doc_start: Tensor | None = None, align: int = 1) -> Tensor:
     """Attention of q [B, T, HQ, D] over keys t-window+1 .. t of k, v [B, T, H, D] (H dividing HQ); [B, T, HQ, D].
@@ -118,8 +108,8 @@ def fa4_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, determini
     scale = q.shape[-1] ** -0.5
     if doc_start is None:
         return fa4_causal_fwd(q, k, v, window, scale, deterministic)[0]
-    B, T = doc_start.shape
-    cu_seqlens = F.pad(document_starts(doc_start, align), (0, 1), value=B * T)
+    T = doc_start.shape[1]
+    cu_seqlens = document_cu_seqlens(doc_start, align)
     out = fa4_causal_fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), window, scale, deterministic,
                          cu_seqlens, cu_seqlens, None, T, T)[0]
     return out.view(q.shape)

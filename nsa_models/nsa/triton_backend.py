@@ -13,10 +13,9 @@ Same contract as `nsa_reference`. Branches:
   backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
 
 Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
-before each query's document, the FlexAttention and SDPA windows stop at its start, FlashAttention-4 runs each
-document as one of its variable-length sequences (`fa4`), and the selected branch is unchanged. flash-attn 2's
-window refuses them (`documents_unsupported`); `core.check_backend` says so before training, and refuses FA4's
-compressed branch with documents until its GPU test passes.
+before each query's document, the FlexAttention and SDPA windows stop at its start, flash-attn 2 and
+FlashAttention-4 run each document as one of their variable-length sequences (`varlen`, `fa4`), and the selected
+branch is unchanged. `core.check_backend` refuses FA4's compressed branch with documents until its GPU test passes.
 """
 
 from __future__ import annotations
@@ -28,11 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from nsa_models.args import BUILT_IN_BACKENDS, NSAArgs
+from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.flex import flex
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention
+from nsa_models.nsa.varlen import document_cu_seqlens
 
 # Below 128 queries FlexAttention picks its decoding kernel, whose lowering finds no valid configuration at G = 16,
 # D = 128 (torch 2.11, T = 31: "NoValidChoicesError"); the main kernel serves every length, and is what it picks
@@ -74,13 +74,17 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
     block_mask: the FlexAttention window mask (`window_block_mask`, of the same documents), built here when
     None."""
     T, w = q.shape[1], args.window_size
-    if doc_start is not None and args.window_backend == "flash_attn":
-        raise ValueError(documents_unsupported("window_backend", args.window_backend))
     if args.window_backend == "flash_attn":
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
 
         # deterministic unless the recipe opts in to atomics: a bitwise-repeatable backward, as every NSA kernel's
-        return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=not args.float_atomics)
+        deterministic = not args.float_atomics
+        if doc_start is None:
+            return flash_attn_func(q, k, v, causal=True, window_size=(w - 1, 0), deterministic=deterministic)
+        cu_seqlens = document_cu_seqlens(doc_start, args.sel_block_size)  # one sequence per document
+        out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens, T, T,
+                                     causal=True, window_size=(w - 1, 0), deterministic=deterministic)
+        return out.view(q.shape)
     if args.window_backend == "flash_attn_4":
         return fa4_window_attention(q, k, v, w, not args.float_atomics, doc_start, args.sel_block_size)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
@@ -94,13 +98,6 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
             mask = mask & (t >= doc_start[:, :, None]).unsqueeze(1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
-
-
-def documents_unsupported(key: str, choice: str) -> str:
-    """The one-line error for a library backend that cannot mask packed documents."""
-    built_in = BUILT_IN_BACKENDS[key]
-    return (f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): set it to "
-            + " or ".join(map(repr, built_in)) + ", or data.document_mask = false")
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs, scale: float,

@@ -1,16 +1,18 @@
-"""The FlashAttention-4 ops' plumbing on CPU: `nsa_models.nsa.fa4` packs queries, keys and documents into FA4's
-calls, and this runs it with FA4's kernels replaced by a plain-torch stand-in that keeps FA4's contract (dense or
-variable-length sequences from cu_seqlens / seqused, bottom-right causal alignment, a left window, lse [HQ, total]
-when variable-length, and rows outside every sequence left unwritten: NaN here, so that a caller which reads them
-fails). The results must equal the Triton compressed kernel (interpreter) and the masked-SDPA window, with and
-without packed documents. The kernels themselves are tested on the GPU (tests/test_triton_gpu.py,
-tests/test_triton_document_mask.py).
+"""The library kernels' plumbing on CPU: how `nsa_models.nsa` packs queries, keys and documents into flash-attn 2's
+and FlashAttention-4's calls, run with the libraries replaced by a plain-torch stand-in that keeps their contract
+(dense or variable-length sequences from cu_seqlens / seqused, bottom-right causal alignment, a left window; FA4's
+lse [HQ, total] when variable-length, and rows outside every sequence left unwritten: NaN here, so that a caller
+which reads them fails). The results must equal the Triton compressed kernel (interpreter) and the masked-SDPA
+window, with and without packed documents. The kernels themselves are tested on the GPU (tests/test_triton_gpu.py,
+tests/test_triton_document_mask.py, tests/test_oracles.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,9 +143,30 @@ def test_fa4_compressed_plumbing_matches_triton(fa4_stand_in, blocks: tuple, doc
         assert rel_err(g.nan_to_num(0, 0, 0), w.nan_to_num(0, 0, 0)) <= 1e-5, name
 
 
+@pytest.fixture
+def flash_attn_stand_in(monkeypatch):
+    """flash-attn 2's `flash_attn_func` and `flash_attn_varlen_func` (differentiable: plain torch)."""
+    def dense(q, k, v, causal=True, window_size=(-1, -1), deterministic=False):
+        assert causal and window_size[1] == 0
+        return torch.stack([_attend(q[b], k[b], v[b], q.shape[-1] ** -0.5, window_size[0])[0]
+                            for b in range(q.shape[0])])
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, window_size=(-1, -1),
+               deterministic=False):
+        assert causal and window_size[1] == 0 and cu_seqlens_q[-1] == q.shape[0]
+        spans = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, None)
+        assert max(s.stop - s.start for s, _ in spans) <= max_seqlen_q
+        return torch.cat([_attend(q[s], k[t], v[t], q.shape[-1] ** -0.5, window_size[0])[0] for s, t in spans])
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=dense,
+                                                                          flash_attn_varlen_func=varlen))
+
+
+@pytest.mark.parametrize("window_backend", ["flash_attn", "flash_attn_4"])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-sequence", "documents"])
-def test_fa4_window_plumbing_matches_sdpa(fa4_stand_in, documents: bool):
-    """`fa4_window_attention`: outputs and gradients equal the masked-SDPA window's."""
+def test_library_window_plumbing_matches_sdpa(fa4_stand_in, flash_attn_stand_in, window_backend: str,
+                                               documents: bool):
+    """flash-attn 2's and FA4's window (`window_attention`): outputs and gradients equal the masked-SDPA window's."""
     args = NSAArgs(sel_block_size=16, window_size=24, window_backend="sdpa")
     B, H, G, D = 2, 2, 2, 16
     doc_start = pack(ROWS, T_CPU, args.sel_block_size)[0] if documents else None
@@ -151,9 +174,8 @@ def test_fa4_window_plumbing_matches_sdpa(fa4_stand_in, documents: bool):
     q, k, v = (torch.randn(B, T_CPU, h, D, generator=gen).requires_grad_() for h in (H * G, H, H))
     cot = torch.randn(B, T_CPU, H * G, D, generator=gen)
     results = []
-    for run in (lambda: window_attention(q, k, v, args, doc_start=doc_start),
-                lambda: fa4.fa4_window_attention(q, k, v, args.window_size, True, doc_start, args.sel_block_size)):
-        o = run()
+    for run_args in (args, replace(args, window_backend=window_backend)):
+        o = window_attention(q, k, v, run_args, doc_start=doc_start)
         results.append((o, *torch.autograd.grad((o * cot).sum(), (q, k, v))))
     for name, g, w in zip(["o", "dq", "dk", "dv"], *results[::-1]):
         assert rel_err(g, w) <= 1e-5, name
