@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nsa_models.nsa.varlen import document_cu_seqlens, document_starts
+from nsa_models.nsa.varlen import document_cu_seqlens
 
 
 def _kernels():
@@ -119,9 +119,9 @@ def _document_runs(doc_start: Tensor, align: int, stride: int) -> tuple[Tensor, 
     """Packed documents in runs of `stride` positions (P = ceil(T / stride) runs per row): each document's row,
     first run and past-the-end run ([B * ceil(T / align)] each; unused slots last, as empty documents of row B),
     and each run's document's first run [B, P]."""
-    B, T = doc_start.shape
-    starts = document_starts(doc_start, align).long()
-    ends = F.pad(starts[1:], (0, 1), value=B * T)  # the next document's start (each row starts one)
+    T = doc_start.shape[1]
+    cu_seqlens = document_cu_seqlens(doc_start, align).long()
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]  # a document ends where the next starts (each row starts one)
     row = starts // T
     return (row, (starts - row * T) // stride, -(-(ends - row * T) // stride),
             doc_start[:, ::stride].long() // stride)
