@@ -329,9 +329,9 @@ def main() -> None:
     NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
     try:  # the recipe's rules for these keys (--float-atomics needs an atomic backward) and their packages
         ModelArgs(nsa=NSA).validate()
-        check_backend(NSA, torch.device("cuda"), torch.bfloat16, document_mask=bool(args.documents))
+        check_backend(NSA, torch.device("cuda"), torch.bfloat16)
     except ValueError as e:
-        parser.error(f"{e} (--window-backend, --cmp-backend, --float-atomics, --documents)")
+        parser.error(f"{e} (--window-backend, --cmp-backend, --float-atomics)")
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "

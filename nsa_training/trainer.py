@@ -242,8 +242,7 @@ class Trainer:
         if self.config.model.attention != "nsa":
             return
         try:
-            check_backend(self.config.model.nsa, self.device, self.compute_dtype,
-                          document_mask=self.config.data.document_mask)
+            check_backend(self.config.model.nsa, self.device, self.compute_dtype)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -61,10 +61,14 @@ def needs_flash_attn_4() -> None:
 ROWS, T_CPU = [[20, 90, 29], [5, 100, 20]], 160
 
 
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / ||b||; the RMS of a - b where b is numerically zero (no compressed block, say)."""
-    diff, scale = (a.double() - b.double()).norm().item(), b.double().norm().item()
-    return diff / scale if scale > 1e-6 * max(1, b.numel()) ** 0.5 else diff / max(1, b.numel()) ** 0.5
+def rel_err(a: Tensor, b: Tensor, floor_rms: float | None = None) -> float:
+    """||a - b|| / ||b||; the RMS of a - b where b is numerically zero (no compressed block, say). floor_rms: the
+    RMS below which b counts as zero instead, then ||a - b|| / (floor_rms sqrt(numel)): a slice of a gradient that
+    is zero up to rounding is measured against the whole gradient's scale, not against its own noise."""
+    diff, scale, root_n = (a.double() - b.double()).norm().item(), b.double().norm().item(), max(1, b.numel()) ** 0.5
+    if floor_rms is not None:
+        return diff / max(scale, floor_rms * root_n)
+    return diff / scale if scale > 1e-6 * root_n else diff / root_n
 
 
 def pack(rows: list[list[int]], seq_len: int, align: int, device: str = "cpu") -> tuple[Tensor, list]:

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import core, fa4, triton_compressed, varlen
-from nsa_models.nsa.core import check_backend
+from nsa_models.nsa import fa4, triton_compressed, varlen
 from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
 from tests.helpers import (
@@ -176,21 +175,6 @@ def test_library_document_sequences():
     assert last[len(spans[0]) - 1] == -(-(T_CPU - 3) // d)
 
 
-def test_fa4_compressed_branch_refuses_documents(monkeypatch):
-    """FA4's compressed branch with documents waits for its GPU test: with document masking it is one config error
-    before training; without documents it runs, and the library windows take documents."""
-    monkeypatch.setattr(core, "_importable", lambda name: True)
-    args = NSAArgs(backend="triton", cmp_backend="flash_attn_4")
-    with pytest.raises(ValueError) as error:
-        check_backend(args, torch.device("cuda"), torch.bfloat16, document_mask=True)
-    assert str(error.value) == ("model.nsa.cmp_backend = 'flash_attn_4' cannot mask packed documents "
-                                "(data.document_mask = true): set it to 'triton', or data.document_mask = false")
-    check_backend(args, torch.device("cuda"), torch.bfloat16)
-    for window in ("flash_attn", "flash_attn_4"):
-        check_backend(NSAArgs(backend="triton", window_backend=window), torch.device("cuda"), torch.bfloat16,
-                      document_mask=True)
-
-
 # --- GPU: real shapes ------------------------------------------------------------------------------------------
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
@@ -222,6 +206,10 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     names = ["q", "k", "v", "k_cmp", "v_cmp", "gates"]
     assert_zero_outside_documents(grads, names, spans, args)
+    # A document's gradient may be zero up to rounding: a 40-token document's one compressed block is the only block
+    # its queries see, so softmax gives it weight 1 and its dK is 0 but for each kernel's own rounding (entries near
+    # 1e-6 in bf16, where the whole dK's RMS is near 6). Below 1% of that RMS, a slice is measured against it.
+    floors = [0.01 * g.float().pow(2).mean().sqrt().item() for g in grads]
     for b, row in enumerate(spans):
         for start, length in row if docs is None else row[:docs] + row[-1:]:
             rows_ = slice(start, start + length)
@@ -234,14 +222,16 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
             want_grads = torch.autograd.grad((want.float() * cot[b:b + 1, rows_]).sum(), alone)
             doc = f"document ({b}, {start}, {length})"
             assert rel_err(out[b:b + 1, rows_], want) <= TOL[dtype], doc
-            for name, g, w in zip(names, grads, want_grads):
+            for name, g, w, floor in zip(names, grads, want_grads, floors):
                 first = start // args.cmp_stride if name in ("k_cmp", "v_cmp") else start
                 got = g[b:b + 1, first:first + w.shape[1]]
-                assert rel_err(got, w) <= TOL[dtype], f"{doc}: grad of {name} rel err {rel_err(got, w):.2e}"
+                err = rel_err(got, w, floor)
+                assert err <= TOL[dtype], f"{doc}: grad of {name} rel err {err:.2e}"
 
 
-# (window, compressed, dtype): FlashAttention-4 runs bf16 only.
-BACKEND_CASES = [("flex", "triton", torch.float32), ("flex", "triton", torch.bfloat16),
+# (window, compressed, dtype): FlashAttention-4 runs bf16 only. fp32 runs through the SDPA window: FlexAttention's
+# fp32 compile at these shapes took 140-370 s, most of the GPU suite's wall time, and masks as its bf16 does.
+BACKEND_CASES = [("flex", "triton", torch.bfloat16),
                  ("sdpa", "triton", torch.float32), ("sdpa", "triton", torch.bfloat16),
                  ("flash_attn_4", "triton", torch.bfloat16), ("flex", "flash_attn_4", torch.bfloat16),
                  ("flash_attn_4", "flash_attn_4", torch.bfloat16), ("flash_attn", "triton", torch.bfloat16)]

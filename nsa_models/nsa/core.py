@@ -40,9 +40,9 @@ def _importable(module: str) -> bool:
         return False
 
 
-def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype, document_mask: bool = False) -> None:
+def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> None:
     """Raise ValueError (one line naming the key and the fix) unless the backends `args` chooses can run on `device`
-    with compute dtype `dtype` (and mask packed documents, with document_mask): no silent fallback to another one.
+    with compute dtype `dtype`: no silent fallback to another one.
     The one availability check: call it once before building a model; the kernels do not check again."""
     if args.backend == "reference":
         return
@@ -61,11 +61,6 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype, docum
         if choice == "flash_attn_4" and dtype != torch.bfloat16:
             raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
                              f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
-        # FA4's compressed branch with documents has not passed its GPU test (tests/test_triton_document_mask.py)
-        # yet; the library windows take documents as variable-length sequences.
-        if document_mask and key == "cmp_backend" and choice == "flash_attn_4":
-            raise ValueError(f"model.nsa.{key} = {choice!r} cannot mask packed documents (data.document_mask = true): "
-                             f"set it to {built_in[0]!r}, or data.document_mask = false")
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
