@@ -15,7 +15,7 @@ Same contract as `nsa_reference`. Branches:
 Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
 before each query's document, the FlexAttention and SDPA windows stop at its start, flash-attn 2 and
 FlashAttention-4 run each document as one of their variable-length sequences (`varlen`, `fa4`), and the selected
-branch is unchanged. `core.check_backend` refuses FA4's compressed branch with documents until its GPU test passes.
+branch is unchanged.
 """
 
 from __future__ import annotations
