@@ -81,11 +81,10 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        if self.optimizer.state:
-            return get_optimizer_state_dict(self.model, self.optimizer)
         # Before the first step this dict is what a resume loads into, so it must hold every state tensor. torch
         # creates them (a zero-LR step on zero gradients) only while no parameter holds a gradient, and a run under
         # CUDA graphs holds its own from the start: left as they are, the load would restore no Adam moment.
+        # Later calls find the state there; setting the gradients aside costs them nothing.
         held = {p: p.grad for p in self.model.parameters()}
         for p in held:
             p.grad = None
