@@ -4,7 +4,8 @@
     python bench/attention.py --seq-lens 8192 --groups
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
     python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
-    python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's
+    python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's:
+                                # wall clock, GPU kernel time, and the fwd+bwd replayed as one CUDA graph
     python bench/attention.py --core-only --documents 1 16 --seq-lens 8192 65536   # what document masking costs
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
@@ -154,6 +155,29 @@ def gpu_kernel_ms(fn, grad_inputs: list[Tensor], repeats: int = 5) -> float:
     for x in grad_inputs:
         x.grad = None
     return sum(e.device_time_total for e in prof.key_averages()) / 1e3 / repeats
+
+
+def cuda_graph_ms(fn, grad_inputs: list[Tensor]) -> float | str:
+    """Median milliseconds of one fn() forward + backward replayed as one CUDA graph, as a training step runs on
+    one GPU or under DDP with `compile.mode = "auto"`: the GPU's time without the host's launches."""
+    cotangent = torch.randn_like(fn())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm: compiles, autotunes, and makes the .grad the graph accumulates into
+            for _ in range(3):
+                fn().backward(cotangent)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn().backward(cotangent)
+        return triton.testing.do_bench(graph.replay)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # a function that cannot be captured
+        return f"not capturable ({type(e).__name__})"
+    finally:
+        for x in grad_inputs:
+            x.grad = None
+        torch.cuda.empty_cache()
 
 
 def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | str]]:
@@ -338,14 +362,14 @@ def main() -> None:
           f"D={D} bf16, window {args.window_backend}, compressed {args.cmp_backend}"
           f"{', float atomics' if args.float_atomics else ''}, ms",
           flush=True)
-    if args.selected:  # per T and function: wall-clock fwd / fwd+bwd, and the fwd+bwd's GPU kernel time
-        print("\n| T | " + " | ".join(f"{name}: fwd / fwd+bwd / kernels" for name in SELECTED_NAMES) + " |\n|---|"
-              + "---|" * len(SELECTED_NAMES))
+    if args.selected:  # per T and function: wall-clock fwd / fwd+bwd, its GPU kernel time, and as a CUDA graph
+        columns = " | ".join(f"{name}: fwd / fwd+bwd / kernels / graph" for name in SELECTED_NAMES)
+        print(f"\n| T | {columns} |\n|---|" + "---|" * len(SELECTED_NAMES))
         for T in args.seq_lens:
             q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
-            times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]))
+            times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]), cuda_graph_ms(fn, [q, k, v]))
                      for name, fn in selected_functions(q, k, v).items()}
-            print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 3))
+            print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 4))
                                           for name in SELECTED_NAMES) + " |", flush=True)
         return
     for T in args.seq_lens:
