@@ -11,6 +11,7 @@ matplotlib (`pip install -e .[plot]`).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import sys
@@ -33,7 +34,15 @@ def read_scalars(run_dir: Path) -> dict[str, Curve]:
         raise ConfigError(f"RUN_DIR {run_dir}: no tensorboard event files in it or in its tb/; give a run's "
                           "job.run_dir (metrics.tensorboard = true)")
     events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})  # 0: keep every step
-    events.Reload()
+    # A resumed run's writer starts with a purge marker (`purge_step`), so the steps its restart redid replace the
+    # old ones; tensorboard warns of each such purge as "likely caused by a TensorFlow restart": mute it.
+    tensorboard_log = logging.getLogger("tensorboard")
+    level = tensorboard_log.level
+    tensorboard_log.setLevel(logging.ERROR)
+    try:
+        events.Reload()
+    finally:
+        tensorboard_log.setLevel(level)
     if not events.Tags()["scalars"]:
         raise ConfigError(f"RUN_DIR {run_dir}: its event files hold no scalars; give a run that logged a step")
     return {tag: ([e.step for e in events.Scalars(tag)], [e.value for e in events.Scalars(tag)])

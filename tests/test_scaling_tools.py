@@ -220,3 +220,23 @@ def test_compare_runs_counts_equal_steps_and_finds_the_largest_difference(tmp_pa
     missing = run_script("scripts/compare_runs.py", *runs, "--tag", "eval/loss")
     assert missing.returncode == 2 and missing.stderr == (f"error: --tag eval/loss: {runs[0]} did not log it (it has "
                                                           "train/loss)\n")
+
+
+def test_compare_runs_takes_the_restarts_values_of_a_resumed_run_quietly(tmp_path):
+    """A killed run logged steps 1-7; its restart from the step-4 checkpoint redid 5-7 with a writer that purges
+    them (as `nsa_training.metrics` opens it): the comparison sees the restart's values, with no tensorboard
+    warning on stderr."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "a" / "tb")) as writer:
+        for step in range(1, 11):
+            writer.add_scalar("train/loss", 10.0 - step, step)
+    with SummaryWriter(str(tmp_path / "b" / "tb")) as writer:
+        for step in range(1, 8):
+            writer.add_scalar("train/loss", 10.0 - step + (step > 4), step)  # 5-7 differ: replaced below
+    with SummaryWriter(str(tmp_path / "b" / "tb"), purge_step=5) as writer:
+        for step in range(5, 11):
+            writer.add_scalar("train/loss", 10.0 - step, step)
+    result = run_script("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert ", steps 1-10: 10 common, 10 bitwise equal; max |A-B| 0," in result.stdout.splitlines()[0]
