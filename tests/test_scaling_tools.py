@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,8 @@ def test_compare_runs_takes_the_restarts_values_of_a_resumed_run_quietly(tmp_pat
     with SummaryWriter(str(tmp_path / "b" / "tb")) as writer:
         for step in range(1, 8):
             writer.add_scalar("train/loss", 10.0 - step + (step > 4), step)  # 5-7 differ: replaced below
+    # Event files are read in name order, which starts with the second the writer opened (a restart is later).
+    time.sleep(1.01)
     with SummaryWriter(str(tmp_path / "b" / "tb"), purge_step=5) as writer:
         for step in range(5, 11):
             writer.add_scalar("train/loss", 10.0 - step, step)
