@@ -81,9 +81,14 @@ def time_ms(fn, grad_inputs: list[Tensor], backward: bool = True) -> tuple[float
     except torch.OutOfMemoryError:
         return "oom", "oom"
     finally:
-        for x in grad_inputs:
-            x.grad = None
-        torch.cuda.empty_cache()
+        release(grad_inputs)
+
+
+def release(grad_inputs: list[Tensor]) -> None:
+    """After a timer: drop the gradients it accumulated and return its memory, so the next row starts clean."""
+    for x in grad_inputs:
+        x.grad = None
+    torch.cuda.empty_cache()
 
 
 def nsa_inputs(B: int, T: int, HQ: int, H: int, D: int) -> list[Tensor]:
@@ -175,9 +180,7 @@ def cuda_graph_ms(fn, grad_inputs: list[Tensor]) -> float | str:
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a function that cannot be captured
         return f"not capturable ({type(e).__name__})"
     finally:
-        for x in grad_inputs:
-            x.grad = None
-        torch.cuda.empty_cache()
+        release(grad_inputs)
 
 
 def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | str]]:
