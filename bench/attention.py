@@ -57,16 +57,20 @@ FLEX_WINDOW = dataclasses.replace(NSA, window_backend="flex")  # fla's window (t
 CORE = "NSA triton backend, compiled"
 
 
-def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str) -> Tensor:
-    """Valid selections [B, H, T, n]: block 0 and the two most recent blocks, random older ones, -1 padding."""
+def random_block_indices(B: int, H: int, T: int, n: int, block: int, device: torch.device | str,
+                         chunk: int = 4096) -> Tensor:
+    """Valid selections [B, H, T, n]: block 0 and the two most recent blocks, random older ones, -1 padding.
+    Drawn `chunk` queries at a time: the scores are [B, H, chunk, blocks], not T x blocks (9.7 GB at 196k)."""
     n_blocks = triton.cdiv(T, block)
-    current = (torch.arange(T, device=device) // block)[:, None]
     j = torch.arange(n_blocks, device=device)
-    score = torch.rand(B, H, T, n_blocks, device=device)
-    score = score.masked_fill((j == 0) | (j == current) | (j == current - 1), 2.0).masked_fill(j > current, -1.0)
-    top = score.topk(min(n, n_blocks), dim=-1)
-    idx = torch.where(top.values < 0, -1, top.indices)
-    return F.pad(idx, (0, n - idx.shape[-1]), value=-1)
+    chunks = []
+    for t0 in range(0, T, chunk):
+        current = (torch.arange(t0, min(t0 + chunk, T), device=device) // block)[:, None]
+        score = torch.rand(B, H, current.shape[0], n_blocks, device=device)
+        score = score.masked_fill((j == 0) | (j == current) | (j == current - 1), 2.0).masked_fill(j > current, -1.0)
+        top = score.topk(min(n, n_blocks), dim=-1)
+        chunks.append(torch.where(top.values < 0, -1, top.indices))
+    return F.pad(torch.cat(chunks, 2), (0, n - min(n, n_blocks)), value=-1)
 
 
 def time_ms(fn, grad_inputs: list[Tensor], backward: bool = True) -> tuple[float | str, float | str]:

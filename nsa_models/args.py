@@ -74,6 +74,9 @@ class NSAArgs:
 LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
 # the choices of each library-backed key that need no extra package (what its errors offer instead)
 BUILT_IN_BACKENDS = {"window_backend": ("flex", "sdpa"), "cmp_backend": ("triton",)}
+# The triton backend's kernels run one row of programs per (sequence, KV head) of a micro-batch, in the second or
+# third dimension of the CUDA grid, which holds at most 65,535 (`training.micro_batch_size` x `n_kv_heads` at most).
+TRITON_MAX_BATCH_HEADS = 65535
 
 
 @dataclass

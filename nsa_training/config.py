@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from nsa_models.args import FLAVORS, ModelArgs, get_flavor
+from nsa_models.args import FLAVORS, TRITON_MAX_BATCH_HEADS, ModelArgs, get_flavor
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -405,6 +405,12 @@ def _check_combinations(config: Config) -> None:
     if data.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}: "
                           "lower data.seq_len or raise model.max_seq_len")
+    batch_heads = config.training.micro_batch_size * model.n_kv_heads
+    if model.attention == "nsa" and model.nsa.backend == "triton" and batch_heads > TRITON_MAX_BATCH_HEADS:
+        raise ConfigError(f"training.micro_batch_size x model.n_kv_heads = {batch_heads} exceeds the "
+                          f"{TRITON_MAX_BATCH_HEADS} (sequence, KV head) pairs a micro-batch that the triton NSA "
+                          "kernels' grid holds: lower "
+                          "training.micro_batch_size (training.global_batch_tokens keeps the batch)")
     if config.parallelism.dp_replicate > 1 and config.parallelism.data_parallel != "hsdp":
         raise ConfigError(f"parallelism.dp_replicate = {config.parallelism.dp_replicate} needs "
                           f"parallelism.data_parallel = 'hsdp' (it is {config.parallelism.data_parallel!r}); "

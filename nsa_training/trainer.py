@@ -51,6 +51,7 @@ from nsa_training.watchdog import (
     RunFailed,
     StopOnSignal,
     enable_flight_recorder,
+    out_of_memory_advice,
 )
 from parallelisms import (
     CUDA_GRAPH_MODES,
@@ -231,9 +232,8 @@ class Trainer:
         if free is not None and need.total > free:
             raise RunFailed(f"out of memory before the start: {c.model.flavor} at {c.training.micro_batch_size} x "
                             f"{c.data.seq_len} tokens per micro-batch needs about {need} per rank, but {where} has "
-                            f"{free / 2**30:.1f} GiB free; lower training.micro_batch_size or data.seq_len, set "
-                            "activation_checkpoint.mode = 'full', or shard over more GPUs (parallelism.data_parallel "
-                            "= 'fsdp')", OOM_EXIT_CODE)
+                            f"{free / 2**30:.1f} GiB free; "
+                            f"{out_of_memory_advice(c, self.device.type, self.world_size)}", OOM_EXIT_CODE)
 
     # -- model --------------------------------------------------------------------------------------------------
 
@@ -454,8 +454,8 @@ class Trainer:
         profiler = self._profiler()
         debug, first_step = self.config.debug, self.step + 1
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
-              ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s,
-                             self.memory) as failures):
+              ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
+                             out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
             while self.step < cfg.steps and not self.stop_signum:
                 self.step += 1
                 loss, grad_norm, data_time, lr, applied = self.train_step()

@@ -14,7 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from nsa_training.config import ConfigError
+from nsa_training.config import Config, ConfigError
+from parallelisms.compile import CUDA_GRAPH_MODES
 
 HANG_EXIT_CODE = 3
 DIVERGED_EXIT_CODE = 4
@@ -190,17 +191,50 @@ def is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/" in str(error))
 
 
+def out_of_memory_advice(config: Config, device_type: str, world_size: int) -> str:
+    """What to change after running out of memory, naming only settings this run does not already use, each with its
+    current value: one clause list for the line of an out-of-memory failure (`device_type` as torch.device.type,
+    `world_size` processes)."""
+    training, nsa, parallelism = config.training, config.model.nsa, config.parallelism
+    # data.seq_len comes last: it changes what is trained, every other clause only how.
+    clauses: list[str] = []
+    if training.micro_batch_size > 1:
+        clauses.append(f"lower training.micro_batch_size (now {training.micro_batch_size})")
+    if config.model.attention == "nsa" and nsa.backend == "triton" and nsa.window_backend == "sdpa":
+        clauses.append("set model.nsa.window_backend = 'flex' (now 'sdpa', which materialises a seq_len x seq_len "
+                       "mask)")
+    if config.model.attention == "nsa" and nsa.backend == "reference" and device_type == "cuda":
+        clauses.append("set model.nsa.backend = 'triton' (now 'reference', which is memory hungry)")
+    if config.activation_checkpoint.mode != "full":
+        clauses.append(f"set activation_checkpoint.mode = 'full' (now {config.activation_checkpoint.mode!r})")
+    if parallelism.data_parallel != "ddp":  # fsdp / hsdp shard already: only more GPUs make each share smaller
+        clauses.append(f"shard over more GPUs (now {world_size})")
+    elif world_size > 1:  # each ddp rank holds the whole model; fsdp shards it over these ranks already
+        clauses.append(f"set parallelism.data_parallel = 'fsdp' (now 'ddp') to shard over the {world_size} ranks, "
+                       "or more")
+    else:
+        clauses.append("shard over more GPUs with parallelism.data_parallel = 'fsdp' (now 'ddp')")
+    if config.compile.enable and config.compile.mode in CUDA_GRAPH_MODES:  # resolved: `auto` is one of these or not
+        clauses.append(f"set compile.mode = 'default' (now {config.compile.mode!r}, whose CUDA graphs keep a memory "
+                       "pool of their own)")
+    if training.micro_batch_size == 1:
+        clauses.append(f"lower data.seq_len (now {config.data.seq_len})")
+    # Always two clauses at least: one size (micro_batch_size or seq_len) and one sharding.
+    return ", ".join(clauses[:-1]) + (", or " if len(clauses) > 2 else " or ") + clauses[-1]
+
+
 class ReportFailures:
     """Turns the two failures of a correct program into RunFailed (one line, no traceback): a collective that failed
     because another rank died or stalled past the timeout (exit status 5), and out-of-memory (exit status 6, after
     dumping `rank<R>_oom.pickle` when `memory` records). Any other exception passes unchanged: it is a bug.
 
     `beat(step)` after each step; until the first beat, the failing collective ran under `debug.init_timeout_s`.
+    `oom_advice` ends the out-of-memory line (out_of_memory_advice).
     """
 
     def __init__(self, rank: int, start_step: int, init_timeout_s: float, collective_timeout_s: float,
-                 memory: MemorySnapshots | None) -> None:
-        self.rank, self.memory = rank, memory
+                 memory: MemorySnapshots | None, oom_advice: str) -> None:
+        self.rank, self.memory, self.oom_advice = rank, memory, oom_advice
         self.timeouts = {"debug.init_timeout_s": init_timeout_s, "debug.collective_timeout_s": collective_timeout_s}
         self._start_step = self._last_step = start_step
 
@@ -218,12 +252,12 @@ class ReportFailures:
         # CPU: torch's allocator raises a plain RuntimeError (where the kernel lets malloc fail at all)
         cpu_oom = isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
         if isinstance(error, torch.OutOfMemoryError) or cpu_oom:
-            advice = "lower training.micro_batch_size or set activation_checkpoint.mode = 'full'"
             if self.memory is not None:
                 snapshot = f"allocator snapshot {self.memory.dump('oom')} (open it at https://pytorch.org/memory_viz)"
             else:
                 snapshot = "rerun with --debug.memory_snapshot true for an allocator snapshot"
-            raise RunFailed(f"{where}: out of memory ({cause}); {snapshot}; {advice}", OOM_EXIT_CODE) from None
+            raise RunFailed(f"{where}: out of memory ({cause}); {snapshot}; {self.oom_advice}",
+                            OOM_EXIT_CODE) from None
         if error is not None and is_collective_failure(error):
             key = "debug.collective_timeout_s" if self._last_step > self._start_step else "debug.init_timeout_s"
             raise RunFailed(f"{where}: a collective failed ({cause}): another rank died, or stalled longer than "

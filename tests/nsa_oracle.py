@@ -76,3 +76,54 @@ def oracle_nsa(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args: NSAArgs
 
     out = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
     return out, indices
+
+
+# --- chunked fp32 oracles for sizes past 2^31 elements ----------------------------------------------------------
+# The same attention as above, gathered per chunk of queries: no T x T mask, so the GPU tests can reach the sizes
+# where a kernel's buffers pass 2^31 elements. Gradients by autograd, accumulated over the chunks.
+
+def selected_chunked(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, block: int, cot: Tensor,
+                     chunk: int = 2048) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fp32 selected attention of q [B, T, HQ, D] over the blocks idx [B, H, T, n] (-1: none) of k, v [B, T, H, D]:
+    out, and dq, dk, dv for the cotangent cot [B, T, HQ, D]. Query t sees the keys u <= t of its chosen blocks."""
+    B, T, HQ, D = q.shape
+    H, n = k.shape[2], idx.shape[3]
+    G = HQ // H
+    k32, v32 = (x.detach().float().requires_grad_() for x in (k, v))
+    kh, vh = k32.transpose(1, 2), v32.transpose(1, 2)  # [B, H, T, D]
+    out, dq = torch.empty(B, T, HQ, D, device=q.device), torch.empty(B, T, HQ, D, device=q.device)
+    u = torch.arange(block, device=q.device)
+    for t0 in range(0, T, chunk):
+        c = min(T, t0 + chunk) - t0
+        qc = q[:, t0:t0 + c].detach().float().requires_grad_()
+        blocks = idx[:, :, t0:t0 + c]
+        pos = (blocks[..., None] * block + u).flatten(-2)  # [B, H, c, n * block]
+        t = torch.arange(t0, t0 + c, device=q.device)[:, None]
+        visible = (blocks >= 0).repeat_interleave(block, -1) & (pos <= t)
+        at = pos.clamp(0, T - 1).flatten(2)[..., None].expand(-1, -1, -1, D)
+        kg, vg = (x.gather(2, at).view(B, H, c, n * block, D) for x in (kh, vh))
+        qg = qc.view(B, c, H, G, D).permute(0, 2, 3, 1, 4)  # [B, H, G, c, D]
+        scores = torch.einsum("bhgcd,bhckd->bhgck", qg, kg) * D ** -0.5
+        probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1)
+        o = torch.einsum("bhgck,bhckd->bhgcd", probs, vg).permute(0, 3, 1, 2, 4).reshape(B, c, HQ, D)
+        (o * cot[:, t0:t0 + c].float()).sum().backward()
+        out[:, t0:t0 + c], dq[:, t0:t0 + c] = o.detach(), qc.grad
+    return out, dq, k32.grad, v32.grad
+
+
+def compressed_exact(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
+                     cot: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp32 compressed attention of q [B, T, HQ, D] over compressed k, v [B, Nc, H, D] (block i visible to query t
+    iff i * stride + block - 1 <= t): out, the natural-log lse [B, T, HQ] (-inf: no block visible; out 0 there),
+    and dq, dk, dv for the cotangent cot."""
+    B, T, HQ, D = q.shape
+    H, n_cmp = k.shape[2], k.shape[1]
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    visible = torch.arange(n_cmp, device=q.device) * stride + block - 1 <= torch.arange(T, device=q.device)[:, None]
+    scores = torch.einsum("bthd,bshd->bhts", q32, k32.repeat_interleave(HQ // H, 2)) * D ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - torch.where(lse == float("-inf"), 0, lse)[..., None])
+    out = torch.einsum("bhts,bshd->bthd", probs, v32.repeat_interleave(HQ // H, 2))
+    grads = torch.autograd.grad((out * cot.float()).sum(), (q32, k32, v32))
+    return out.detach(), lse.transpose(1, 2).detach(), *grads

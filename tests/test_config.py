@@ -123,6 +123,8 @@ BAD_INPUT = [
     (None, ["--model.nsa.float_atomics", "true", "--model.nsa.backend", "triton", "--model.nsa.window_backend",
             "flash_attn_4", "--debug.deterministic", "true"],
      "model.nsa.float_atomics = true contradicts debug.deterministic = true"),
+    (None, ["--model.nsa.backend", "triton", "--training.micro_batch_size", "32768"],  # debug: 2 KV heads
+     "training.micro_batch_size x model.n_kv_heads = 65536 exceeds the 65535 (sequence, KV head) pairs"),
     (None, ["--parallelism.dp_replicate", "2"],
      "parallelism.dp_replicate = 2 needs parallelism.data_parallel = 'hsdp' (it is 'fsdp')"),
     (None, ["--model.flavor", "nsa-70b"],

@@ -365,7 +365,8 @@ def test_out_of_memory_dumps_the_allocator_history_and_is_one_line(tmp_path, mon
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", calls.append)
     memory = MemorySnapshots(tmp_path, rank=1, device=torch.device("cuda", 1), dump_after_step=2)
     assert calls == [{"max_entries": MemorySnapshots.MAX_ENTRIES}] and MemorySnapshots.MAX_ENTRIES > 0
-    failures = ReportFailures(rank=1, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=memory)
+    failures = ReportFailures(rank=1, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=memory,
+                              oom_advice="lower training.micro_batch_size (now 8)")
     with pytest.raises(RunFailed) as raised, failures:
         for step in (1, 2, 3):
             memory.after_step(step)
@@ -377,13 +378,61 @@ def test_out_of_memory_dumps_the_allocator_history_and_is_one_line(tmp_path, mon
     assert raised.value.exit_code == 6
     assert str(raised.value) == (
         f"rank 1: step 4: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.); allocator snapshot {oom} "
-        "(open it at https://pytorch.org/memory_viz); lower training.micro_batch_size or set "
-        "activation_checkpoint.mode = 'full'")
+        "(open it at https://pytorch.org/memory_viz); lower training.micro_batch_size (now 8)")
 
     with pytest.raises(RunFailed, match=r"^rank 0: step 1: out of memory \(CUDA out of memory\.\); rerun with "
-                                        r"--debug.memory_snapshot true for an allocator snapshot; lower "):
-        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None):
+                                        r"--debug.memory_snapshot true for an allocator snapshot; advice$"):
+        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None,
+                            oom_advice="advice"):
             raise torch.OutOfMemoryError("CUDA out of memory.")
+
+
+def oom_config(micro_batch_size=4, seq_len=256, mode="none", attention="nsa", backend="triton",
+               window_backend="flex", data_parallel="fsdp"):
+    from nsa_training.config import Config
+
+    config = Config()
+    config.training.micro_batch_size, config.data.seq_len = micro_batch_size, seq_len
+    config.activation_checkpoint.mode, config.parallelism.data_parallel = mode, data_parallel
+    config.model.attention, config.model.nsa.backend, config.model.nsa.window_backend = (attention, backend,
+                                                                                         window_backend)
+    return config
+
+
+def test_out_of_memory_advice_names_only_what_the_run_can_still_change():
+    """A run at micro_batch_size 1 with full checkpointing (262,144 tokens, the SDPA window) was told to lower the
+    one and set the other; the advice names what this run does not already use, with its current value."""
+    from nsa_training.watchdog import out_of_memory_advice
+
+    advice = out_of_memory_advice(oom_config(micro_batch_size=1, seq_len=262_144, mode="full",
+                                             window_backend="sdpa"), "cuda", 8)
+    assert advice == ("set model.nsa.window_backend = 'flex' (now 'sdpa', which materialises a seq_len x seq_len "
+                      "mask), shard over more GPUs (now 8), or lower data.seq_len (now 262144)")
+    assert "micro_batch_size" not in advice and "activation_checkpoint" not in advice
+    # Everything left to change: the reference backend on a GPU, ddp on one process.
+    assert out_of_memory_advice(oom_config(backend="reference", data_parallel="ddp"), "cuda", 1) == (
+        "lower training.micro_batch_size (now 4), set model.nsa.backend = 'triton' (now 'reference', which is memory "
+        "hungry), set activation_checkpoint.mode = 'full' (now 'none'), or shard over more GPUs with "
+        "parallelism.data_parallel = 'fsdp' (now 'ddp')")
+    # ddp over several ranks: fsdp shards over these; checkpointing every n blocks is not yet 'full'.
+    assert out_of_memory_advice(oom_config(mode="every_n", data_parallel="ddp"), "cuda", 4) == (
+        "lower training.micro_batch_size (now 4), set activation_checkpoint.mode = 'full' (now 'every_n'), or set "
+        "parallelism.data_parallel = 'fsdp' (now 'ddp') to shard over the 4 ranks, or more")
+    # The reference backend is the only one on CPU; dense attention has no NSA backend; hsdp shards already.
+    for config, device in [(oom_config(backend="reference"), "cpu"),
+                           (oom_config(attention="dense", window_backend="sdpa"), "cuda")]:
+        assert out_of_memory_advice(config, device, 1) == (
+            "lower training.micro_batch_size (now 4), set activation_checkpoint.mode = 'full' (now 'none'), or "
+            "shard over more GPUs (now 1)")
+    assert out_of_memory_advice(oom_config(micro_batch_size=1, mode="full", data_parallel="hsdp"), "cuda", 16) == (
+        "shard over more GPUs (now 16) or lower data.seq_len (now 256)")
+    # nsa-125m at one sequence of 524,288 tokens on one H200 ran out of memory in CUDA graphs' private pools (the
+    # trainer's `auto` mode resolved to reduce-overhead), and trained with compile.mode = 'default'.
+    config = oom_config(micro_batch_size=1, seq_len=524_288, mode="full", data_parallel="ddp")
+    config.compile.enable, config.compile.mode = True, "reduce-overhead"
+    assert out_of_memory_advice(config, "cuda", 1) == (
+        "shard over more GPUs with parallelism.data_parallel = 'fsdp' (now 'ddp'), set compile.mode = 'default' (now "
+        "'reduce-overhead', whose CUDA graphs keep a memory pool of their own), or lower data.seq_len (now 524288)")
 
 
 def test_only_collective_failures_and_out_of_memory_become_one_line():
@@ -393,11 +442,13 @@ def test_only_collective_failures_and_out_of_memory_become_one_line():
 
     with pytest.raises(RunFailed, match=r"^rank 2: step 8: a collective failed \(Watchdog caught collective "
                                         r"operation timeout\): .* debug.init_timeout_s = 60 s;") as raised:
-        with ReportFailures(rank=2, start_step=7, init_timeout_s=60, collective_timeout_s=5, memory=None):
+        with ReportFailures(rank=2, start_step=7, init_timeout_s=60, collective_timeout_s=5, memory=None,
+                            oom_advice=""):
             raise dist.DistBackendError("Watchdog caught collective operation timeout")  # before any step is done
     assert raised.value.exit_code == 5
     with pytest.raises(ValueError, match="a bug"):  # anything else is a bug: its traceback stays
-        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None):
+        with ReportFailures(rank=0, start_step=0, init_timeout_s=60, collective_timeout_s=5, memory=None,
+                            oom_advice=""):
             raise ValueError("a bug")
 
 

@@ -181,16 +181,27 @@ def test_gpu_recipes_size_the_vocabulary_by_a_subword_tokenizer(recipe):
         assert FLAVORS[config.model.flavor].vocab_size == 0
 
 
-def test_a_run_that_cannot_fit_says_so_before_it_starts(tmp_path):
-    """nsa-1b with 1024 x 4096 tokens per micro-batch needs terabytes: one line, the out-of-memory status, and no
+@pytest.mark.parametrize("args, advice", [
+    (("--data.seq_len", "4096", "--training.micro_batch_size", "1024"),
+     "lower training.micro_batch_size (now 1024), set activation_checkpoint.mode = 'full' (now 'none'), or shard "
+     "over more GPUs (now 1)"),
+    # Already at one sequence per micro-batch, checkpointing every block: only the sharding and seq_len are left.
+    (("--data.seq_len", "262144", "--model.max_seq_len", "262144", "--training.micro_batch_size", "1",
+      "--activation_checkpoint.mode", "full", "--parallelism.data_parallel", "ddp"),
+     "shard over more GPUs with parallelism.data_parallel = 'fsdp' (now 'ddp') or lower data.seq_len (now 262144)"),
+])
+def test_a_run_that_cannot_fit_says_so_before_it_starts(tmp_path, args, advice):
+    """nsa-1b at these sizes needs terabytes: one line, the out-of-memory status, advice that fits the run, and no
     run directory, instead of the kernel's out-of-memory killer ending it without a word."""
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, "--model.flavor", "nsa-1b", "--data.seq_len", "4096", "--training.micro_batch_size",
-                       "1024", "--training.global_batch_tokens", str(1024 * 4096), "--training.device", "cpu")
+    flags = dict(zip(args[::2], args[1::2]))
+    micro_batch, seq_len = flags["--training.micro_batch_size"], flags["--data.seq_len"]
+    result = run_train(run_dir, "--model.flavor", "nsa-1b", *args, "--training.global_batch_tokens",
+                       str(int(micro_batch) * int(seq_len)), "--training.device", "cpu")
     assert result.returncode == OOM_EXIT_CODE
     (line,) = result.stderr.splitlines()
-    assert line.startswith("error: out of memory before the start: nsa-1b at 1024 x 4096 tokens per micro-batch "
-                           "needs about ") and "lower training.micro_batch_size" in line
+    assert line.startswith(f"error: out of memory before the start: nsa-1b at {micro_batch} x {seq_len} tokens per "
+                           "micro-batch needs about ") and line.endswith(f" GiB free; {advice}")
     assert not (run_dir / "config.toml").exists()
 
 
@@ -209,7 +220,7 @@ def test_model_sizes_beyond_the_machine_are_one_line(tmp_path, sizes, status, sa
 
 def test_cpu_out_of_memory_is_one_line_and_its_exit_status():
     """An allocation that the CPU allocator refuses is reported as out of memory (status 6), not a traceback."""
-    with pytest.raises(RunFailed) as failure, ReportFailures(0, 0, 60.0, 60.0, None):
+    with pytest.raises(RunFailed) as failure, ReportFailures(0, 0, 60.0, 60.0, None, "advice"):
         torch.empty(2**62, dtype=torch.uint8)
     assert failure.value.exit_code == OOM_EXIT_CODE and "out of memory (" in str(failure.value)
 

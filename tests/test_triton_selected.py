@@ -15,6 +15,7 @@ from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_common import head_rows_operand
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
 from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -129,6 +130,50 @@ def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pa
     got = torch.autograd.grad((o * cot_o.float()).sum() + (lse * cot_lse.float()).sum(), (q32, k32, v32))
     for name, g, w in zip("qkv", got, want):
         assert rel_err(g, w) <= 1e-4, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+
+@pytest.mark.parametrize("B,H,T,n,block", [(2, 3, 1000, 5, 16), (1, 4, 196608, 16, 64)],
+                         ids=["small", "nsa-125m-196k"])
+def test_reverse_index_lists_each_blocks_choosers_in_query_order(B: int, H: int, T: int, n: int, block: int):
+    """Each key block's work items hold exactly the (query, slot) pairs that chose it, in ascending query order, cut
+    into items of at most `_item_queries` pairs. At 196k tokens of nsa-125m, segment * T passes 2^31: the size where
+    the former 64-bit sort keys were used."""
+    gen = torch.Generator().manual_seed(T)
+    n_blocks = -(-T // block)
+    current = torch.arange(T) // block
+    # Each query chooses its last n blocks (distinct; -1 before block 0), in a random slot order.
+    idx = (current[:, None] - torch.arange(n)).where(current[:, None] >= torch.arange(n), -1).expand(B, H, T, n)
+    idx = idx.gather(3, torch.rand(B, H, T, n, generator=gen).argsort(-1))
+    items, query_slot, seg_items = triton_selected.reverse_index(idx, block)
+    seg, start, end = items
+    n_real = int(seg_items[-1])
+    assert (start[n_real:] == end[n_real:]).all(), "an item past the real count has entries"
+    seg, start, end = seg[:n_real], start[:n_real], end[:n_real]
+    size = end - start
+    assert (size > 0).all() and (size <= triton_selected._item_queries(idx.numel())).all()
+    assert torch.equal(start[1:], end[:-1]) and start[0] == 0, "the items do not tile the entries in order"
+    assert int(end[-1]) == int((idx >= 0).sum()), "not every choice is listed once"
+    # the items of segment s are seg_items[s] .. seg_items[s + 1] - 1
+    assert torch.equal(torch.repeat_interleave(torch.arange(B * H * n_blocks), seg_items.diff()), seg)
+    entry_seg = torch.repeat_interleave(seg, size)
+    t, slot = query_slot[:int(end[-1])] // n, query_slot[:int(end[-1])] % n
+    bh, j = entry_seg // n_blocks, entry_seg % n_blocks
+    assert torch.equal(idx.reshape(B * H, T, n)[bh, t, slot], j), "an entry's query did not choose its block"
+    same_seg = entry_seg[1:] == entry_seg[:-1]
+    assert (t[1:][same_seg] > t[:-1][same_seg]).all(), "a block's queries are not in ascending order"
+
+
+def test_kernels_refuse_more_sequence_heads_than_the_grid_holds():
+    """B x H (sequence, KV head) pairs run in one CUDA grid dimension of at most 65,535: one clear error past it,
+    before any kernel launches, in each op that launches such a grid."""
+    B, H, D = 32768, 2, 16
+    q, k = torch.zeros(B, 1, H, D), torch.zeros(B, 1, H, D)
+    with pytest.raises(ValueError, match=r"^selected attention: batch 32768 x 2 KV heads = 65536 exceeds the 65535"):
+        selected_attention(q, k, k, torch.zeros(B, H, 1, 3, dtype=torch.int64), BS)
+    with pytest.raises(ValueError, match=r"^compressed attention: batch 32768 x 2 KV heads = 65536 exceeds"):
+        compressed_attention_fwd(q, k, k, 32, 16, D ** -0.5)
+    with pytest.raises(ValueError, match=r"^selection: batch 32768 x 2 KV heads = 65536 exceeds"):
+        select_topn(q, k, torch.zeros(B, 1, H), 32, 16, 64, 16, D ** -0.5)
 
 
 def test_tile_row_bits():

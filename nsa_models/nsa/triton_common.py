@@ -12,6 +12,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nsa_models.args import TRITON_MAX_BATCH_HEADS
+
 LOG2E = 1.4426950408889634  # host code scales by it; kernels read only constexpr globals, so they spell it out
 
 
@@ -57,6 +59,13 @@ def load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     return q, do, lse, delta
+
+
+def check_batch_heads(B: int, H: int, op: str) -> None:
+    """Raise ValueError unless B x H (sequence, KV head) pairs fit the grid dimension the kernels give them."""
+    if B * H > TRITON_MAX_BATCH_HEADS:
+        raise ValueError(f"{op}: batch {B} x {H} KV heads = {B * H} exceeds the {TRITON_MAX_BATCH_HEADS} (sequence, "
+                         "KV head) pairs of one call: split the batch")
 
 
 def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:

@@ -387,6 +387,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: 
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
         raise ValueError(f"compressed attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
                          "must be [B, T, HQ, D] and [B, Nc, H, D] with H dividing HQ")
+    triton_common.check_batch_heads(B, H, "compressed attention")
     if stride & (stride - 1) or block % stride:
         raise ValueError(f"compressed attention: stride d = {stride} must be a power of two dividing l = {block}")
     if doc_start is not None and (doc_start.shape != (B, T) or doc_start.dtype != torch.int32):
@@ -517,6 +518,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
             scale: float, store_keys: bool, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
+    triton_common.check_batch_heads(B, H, "selection")
     if sel_block % stride or block > sel_block + stride:
         raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
                          "l' + d (a compressed block overlaps at most two selection blocks)")

@@ -419,6 +419,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
     if block_indices.shape[:3] != (B, H, T) or block_indices.dtype != torch.int64:
         raise ValueError(f"selected attention: block_indices must be int64 [B, H, T, n] = [{B}, {H}, {T}, n], "
                          f"got {block_indices.dtype} {tuple(block_indices.shape)}")
+    triton_common.check_batch_heads(B, H, "selected attention")
     if not 16 <= block_size <= 256 or block_size & (block_size - 1):
         raise ValueError(f"selected attention: block size {block_size} must be a power of two from 16 to 256 "
                          "(the rows of a TMA box)")
@@ -469,7 +470,7 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
 
     Returns `items` [3, max_items]: per item its segment (b * H + h) * n_blocks + j and its [start, end) range in
     `query_slot` (entries t * n + slot: the query and where the block sits in its list); `query_slot`; and per
-    segment the [first, last + 1) range of its items. Sorting unique keys is deterministic. No device-to-host sync
+    segment the [first, last + 1) range of its items. A stable sort is deterministic. No device-to-host sync
     (so a backward can be captured in a CUDA graph and the host never waits): the item count is bounded from the
     shapes, and the items past the real count get empty ranges.
     """
@@ -477,17 +478,21 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
     n_blocks = triton.cdiv(T, block_size)
     device = block_indices.device
     n_segs = B * H * n_blocks
-    # A query chooses a block once, so seg * T + t is unique and orders the entries; the sort's indices give each
-    # entry's t * n + slot. 32-bit keys where they fit: a radix sort of half the passes (the sort was ~0.27 ms of
-    # an nsa-125m block's backward at 16 x 2048 with 64-bit keys, H200).
-    dtype = torch.int32 if n_segs * T < torch.iinfo(torch.int32).max else torch.int64
+    # A stable sort of each entry's segment (its padding: n_segs, past every segment) orders the entries by segment
+    # and, within one, by query (the flattened [B, H, T, n] order); the sort's indices give each entry's t * n + slot.
+    # Every key and every value compared is at most n_segs, so 32-bit keys always fit: a radix sort of half the
+    # passes of 64-bit ones. Sorting segment * T + t instead needed 64-bit keys past 2^31 (B * H * T^2 / l' of
+    # them: nsa-125m from 185k tokens on), and there Inductor's GPU code for the segment bounds' search values
+    # (arange * T) overflowed: wrong work items and NaN outputs under torch.compile (eager was right).
+    if n_segs >= torch.iinfo(torch.int32).max:
+        raise ValueError(f"selected attention: {n_segs} (batch x KV head x key block) segments do not fit the "
+                         "reverse index's 32-bit keys: split the batch")
     seg = torch.arange(B * H, device=device).view(B, H, 1, 1) * n_blocks + block_indices
-    t = torch.arange(T, device=device).view(1, 1, T, 1)
-    key = torch.where(block_indices >= 0, seg * T + t, torch.iinfo(dtype).max).to(dtype).flatten()
-    key, order = torch.sort(key)  # the padding sorts last, past every segment (its order is never read)
+    key = torch.where(block_indices >= 0, seg, n_segs).to(torch.int32).flatten()
+    key, order = torch.sort(key, stable=True)
     query_slot = order % (T * n)
     # Segment s holds the entries [bounds[s], bounds[s + 1]).
-    bounds = torch.searchsorted(key, (torch.arange(n_segs + 1, device=device) * T).to(dtype))
+    bounds = torch.searchsorted(key, torch.arange(n_segs + 1, device=device, dtype=torch.int32))
     per_item = _item_queries(key.numel())
     n_items = (bounds[1:] - bounds[:-1] + per_item - 1) // per_item
     seg_items = torch.cat([n_items.new_zeros(1), torch.cumsum(n_items, 0)])
