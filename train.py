@@ -5,10 +5,10 @@
     python train.py --help [SECTION]                            # the sections, or a section's keys and docs
 
 The recipe is parsed before torch is imported, so a bad key fails in a fraction of a second with one line.
-Exit status: 0 done; 2 bad input; 3 a rank stalled (stacks in <run_dir>/hang); 4 too many non-finite steps in a
-row; 5 a collective failed (another rank died or stalled); 6 out of memory; 7 a checkpoint could not be written
-(disk full or not writable); 128 + signal number (143, 130) when SIGTERM/SIGINT stopped the run after writing a
-checkpoint.
+Exit status (declared in nsa_training/exit_codes.py): 0 done; 2 bad input; 3 a rank stalled (stacks in
+<run_dir>/hang); 4 too many non-finite steps in a row; 5 a collective failed (another rank died or stalled); 6 out of
+memory; 7 a checkpoint could not be written (disk full or not writable); 128 + signal number (143, 130) when
+SIGTERM/SIGINT stopped the run after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import sys
 
 from nsa_training.config import ConfigError, config_to_toml, help_text, help_topic, load_config
+from nsa_training.exit_codes import BAD_INPUT_EXIT_CODE
 from nsa_training.watchdog import RunFailed, exit_with_launcher, report_error
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return Trainer(config).train()
     except (ConfigError, RunFailed) as e:
-        code = 2 if isinstance(e, ConfigError) else e.exit_code
+        code = BAD_INPUT_EXIT_CODE if isinstance(e, ConfigError) else e.exit_code
         report_error(str(e), code)
         return code
 

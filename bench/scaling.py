@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from nsa_training.config import ConfigError, ParallelismConfig, load_config
+from nsa_training.config import ConfigError, load_config
 from nsa_training.sweep import (
     REPO,
     SYNTHETIC_DATA,
@@ -57,6 +57,7 @@ from nsa_training.sweep import (
     sweep_from_args,
 )
 from parallelisms import resolve_compile_mode
+from parallelisms.config import ParallelismConfig
 
 COLUMNS = ["plan", "gpus", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",
            "peak_mem_gib", "exposed_comm_ms", "comm_ms", "mfu", "compile_s", "graph_breaks", "recompiles",

@@ -37,7 +37,7 @@ class NSAArgs:
     window_backend: Literal["flex", "sdpa", "flash_attn", "flash_attn_4"] = "flex"
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
     window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
-    docs/PERFORMANCE.md). The `reference` backend computes the window itself and ignores this key."""
+    docs/PERFORMANCE.md). Any value but `flex` needs backend `triton` (the reference computes the window itself)."""
     cmp_backend: Literal["triton", "flash_attn_4"] = "triton"
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
@@ -57,6 +57,12 @@ class NSAArgs:
     does). Every parameter stays, so an NSA run and its window-only twin differ in this key alone
     (recipes/retrieval_nsa.toml). Any backend."""
 
+    def on_reference(self) -> NSAArgs:
+        """These settings run by the `reference` backend (a CPU): the triton backend's kernel choices, which the
+        reference has none of, back at their defaults. The attention they compute is the same."""
+        kernels = {f.name: f.default for f in dataclasses.fields(self) if f.name in KERNEL_KEYS}
+        return dataclasses.replace(self, backend="reference", **kernels)
+
     def cmp_hidden(self, head_dim: int) -> int:
         """Hidden width of the `mlp` phi."""
         return self.cmp_mlp_hidden or max(head_dim, self.cmp_block_size * head_dim // 8)
@@ -70,6 +76,8 @@ class NSAArgs:
         return -(-seq_len // self.sel_block_size)
 
 
+# The keys that choose the triton backend's kernels: how it computes, not what (the reference has none of them).
+KERNEL_KEYS = ("window_backend", "cmp_backend", "float_atomics")
 # window_backend / cmp_backend -> (the module it imports, the pip package that provides it), for the optional ones
 LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
 # the choices of each library-backed key that need no extra package (what its errors offer instead)
@@ -137,8 +145,13 @@ class ModelArgs:
             checks += [
                 (a.cmp_block_size % a.cmp_stride == 0, "nsa.cmp_stride", "must divide model.nsa.cmp_block_size"),
                 (a.sel_block_size % a.cmp_stride == 0, "nsa.cmp_stride", "must divide model.nsa.sel_block_size"),
+                # The reference backend computes every branch itself: a kernel choice would be silently ignored.
+                (a.window_backend == "flex" or a.backend == "triton", "nsa.window_backend",
+                 f"= {a.window_backend!r} needs backend = 'triton' (the reference computes every branch itself): "
+                 "set model.nsa.backend = 'triton' (a CUDA GPU), or leave window_backend at 'flex'"),
                 (a.cmp_backend == "triton" or a.backend == "triton", "nsa.cmp_backend",
-                 "= 'flash_attn_4' needs backend = 'triton' (the reference computes every branch itself)"),
+                 f"= {a.cmp_backend!r} needs backend = 'triton' (the reference computes every branch itself): "
+                 "set model.nsa.backend = 'triton' (a CUDA GPU), or leave cmp_backend at 'triton'"),
                 (not a.float_atomics or (a.backend == "triton" and (a.window_backend in LIBRARY_PACKAGES
                                                                     or a.cmp_backend in LIBRARY_PACKAGES)),
                  "nsa.float_atomics", "= true needs backend = 'triton' with window_backend = 'flash_attn' or "
@@ -156,7 +169,8 @@ def _flavor(attention: str, nsa: NSAArgs | None = None, **kw) -> ModelArgs:
 
 _SIZES: dict[str, dict] = {
     # Tiny: trains on 2 CPU cores in minutes. Block sizes shrunk so that T=256 exercises every branch. Its vocabulary
-    # is fixed (the byte tokenizer's 257 ids, rounded up to 8) so that the model can be built without a tokenizer.
+    # is fixed (the byte tokenizer's 257 ids, rounded up to 8) so that tests can build the model without a tokenizer;
+    # recipes/debug.toml sets vocab_size = 0, so a run follows its tokenizer.
     "debug": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=264, max_seq_len=256),
     # GPT-2-small-sized: 12 query heads of 64, 4 KV heads (G=3). These follow the tokenizer (vocab_size 0).
     "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, max_seq_len=2048),

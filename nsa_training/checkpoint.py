@@ -41,13 +41,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from nsa_training.config import CheckpointConfig, ConfigError
+from nsa_training.exit_codes import WRITE_FAILED_EXIT_CODE
 from nsa_training.watchdog import RunFailed
 
 _COMPLETE_NAME = re.compile(r"step-\d{8}")
 _META_KEY = "checkpoint"  # {"step", "world_size"}, saved next to the caller's states
 MANIFEST = "checksums.json"  # {"files": {name: {"bytes", "sha256"}}}: written last, before the rename
 LEGACY = f"no {MANIFEST} (a checkpoint of an older version, or its manifest was removed)"
-WRITE_FAILED_EXIT_CODE = 7
 _WRITE_PROBLEMS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                    errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
                    errno.EPERM: "no permission to write there"}

@@ -25,6 +25,7 @@ from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from nsa_models.args import FLAVORS, TRITON_MAX_BATCH_HEADS, ModelArgs, get_flavor
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -97,7 +98,7 @@ class TrainingConfig:
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype: `auto` is bf16 autocast on GPU and fp32 on CPU. Parameters and optimizer stay fp32."""
     eval_interval: int = field(default=50, metadata={"ge": 0})
-    """Evaluate the held-out loss every this many steps (0: never)."""
+    """Evaluate the held-out loss every this many steps, and at the run's last step (0: never)."""
     eval_batches: int = field(default=4, metadata={"gt": 0})
     """Micro-batches per evaluation."""
     max_skipped_steps: int = field(default=5, metadata={"gt": 0})
@@ -149,64 +150,6 @@ class LRSchedulerConfig:
 
 
 @dataclass
-class ParallelismConfig:
-    data_parallel: Literal["ddp", "fsdp", "hsdp"] = "fsdp"
-    """How data-parallel ranks hold the model: replicated (DDP), sharded per block (FSDP2), or sharded within
-    `dp_replicate` replica groups (HSDP). Ignored with one process."""
-    dp_replicate: int = field(default=1, metadata={"gt": 0})
-    """Replica groups for HSDP (usually the node count); the shard degree is world_size / dp_replicate."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (less memory, one more all-gather per block in backward).
-    `false` keeps every block's bf16 parameters gathered from forward to backward: for small models, whose steps
-    are short, it halves the per-block collectives that both ranks wait on (nsa-125m on 2 x H100: weak-scaling
-    efficiency 0.675 -> 0.931 with one micro-batch, 0.813 -> 0.968 with two; docs/PERFORMANCE.md)."""
-    fsdp_accumulate_unsharded: bool = True
-    """FSDP2/HSDP with several micro-batches per step: keep parameters gathered and gradients unsharded (fp32)
-    across them, so one step all-gathers and reduce-scatters each block once; costs the whole model's bf16
-    parameters plus fp32 gradients per GPU (set false for models where that does not fit: then every micro-batch
-    gathers and reduce-scatters, and HSDP still all-reduces once per step). DDP always syncs once per step."""
-    ddp_bucket_cap_mb: int = field(default=25, metadata={"gt": 0})
-    """DDP gradient bucket size."""
-    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Process-group backend: `auto` is NCCL on CUDA and gloo on CPU."""
-
-
-@dataclass
-class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "every_n", "selective_op"] = "none"
-    """`full`: recompute every block; `every_n`: every N-th block; `selective_op`: keep matmul and attention
-    outputs, recompute the cheap ops. Always non-reentrant; NSA's selected block indices are always saved."""
-    every_n: int = field(default=2, metadata={"gt": 0})
-    """N for `every_n`."""
-
-
-@dataclass
-class CompileConfig:
-    enable: bool = False
-    """torch.compile the model (and the loss)."""
-    scope: Literal["block", "model"] = "block"
-    """Compile each transformer block separately (fast compile, reused graph) or the whole model."""
-    fullgraph: bool = True
-    """Fail on any graph break instead of silently splitting the graph."""
-    mode: Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "auto"
-    """Inductor mode. `reduce-overhead` replays each compiled graph as a CUDA graph (one launch instead of one per
-    kernel: an NSA block launches ~2.6x the kernels of a dense one, and at 2k a host enqueues them more slowly
-    than an H100 runs them); `max-autotune` also benchmarks GEMM candidates (minutes of compile), with CUDA graphs;
-    `max-autotune-no-cudagraphs` without them. `auto`: `reduce-overhead` where the plan allows CUDA graphs (a CUDA
-    device, one process or DDP), else `default` (CPU, FSDP2 / HSDP); set `default` to turn CUDA graphs off."""
-
-
-@dataclass
-class Float8Config:
-    enable: bool = False
-    """Train linear layers in float8 through torchao (needs a GPU of SM89 or newer)."""
-    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """torchao float8 scaling recipe."""
-    min_features: int = field(default=1024, metadata={"ge": 0})
-    """Linears whose in or out features are below this stay in high precision (too small to gain)."""
-
-
-@dataclass
 class CheckpointConfig:
     enable: bool = True
     """Write checkpoints (torch.distributed.checkpoint) into `<run_dir>/checkpoints`."""
@@ -232,7 +175,8 @@ class MetricsConfig:
     tensorboard: bool = True
     """Write tensorboard events to `<run_dir>/tb`."""
     log_rank: int = field(default=0, metadata={"ge": 0})
-    """Rank whose console lines are printed (run.sh's LOG_RANK filters torchrun's output too)."""
+    """Rank whose console lines are printed, below the process count (run.sh's LOG_RANK filters torchrun's output
+    too)."""
     nsa_stats_freq: int = field(default=50, metadata={"ge": 0})
     """NSA health telemetry to tensorboard every this many steps (0: never; dense models have none): per layer,
     tags `nsa/<stat>/layer<i>` for the gate means (`gate_cmp`, `gate_slc`, `gate_win`), the share of selected
@@ -502,6 +446,8 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, bool, dict[str, str]]:
                 value = next(args, None)
                 if value is None or value.startswith("--"):
                     raise ConfigError(f"--{key} needs a value: --{key} VALUE or --{key}=VALUE")
+            if key in overrides:  # which one was meant? The last would win silently, the first never be checked
+                raise ConfigError(f"--{key} is given twice ({overrides[key]!r}, then {value!r}): give it once")
             overrides[key] = value
         elif recipe is None and arg.endswith(".toml"):
             recipe = arg

@@ -26,7 +26,7 @@ import numpy as np
 from datasets.distributed import split_dataset_by_node
 
 from nsa_training.config import ConfigError, DataConfig
-from nsa_training.data import Split
+from nsa_training.loaders import Split
 
 EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # extension -> datasets builder

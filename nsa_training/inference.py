@@ -29,7 +29,8 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[Transformer, Tokenize
     if path is None:
         raise ConfigError(f"RUN_DIR {str(run_dir)!r} has no complete checkpoint yet: train it longer than "
                           "checkpoint.interval steps (or until it ends)")
-    config.model.nsa.backend = "reference" if device.type == "cpu" else config.model.nsa.backend
+    if device.type == "cpu":  # a GPU run's kernel choices do not apply to the reference: the same model without them
+        config.model.nsa = config.model.nsa.on_reference()
     with torch.device(device):
         model = Transformer(config.model)
     model.init_weights(buffer_device=device)  # buffers (RoPE); the weights come from the checkpoint

@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from nsa_training.config import Config, ConfigError, config_to_toml, help_text, help_topic, load_config
-from nsa_training.watchdog import COLLECTIVE_EXIT_CODE, LAUNCHER_PID
+from nsa_training.exit_codes import BAD_INPUT_EXIT_CODE, COLLECTIVE_EXIT_CODE
+from nsa_training.watchdog import LAUNCHER_PID
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 STOPPED = {128 + signal.SIGTERM, 128 + signal.SIGINT}  # every rank stopped by a signal, after its checkpoint
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
         check_world_size(config, nproc * nnodes)
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
-        return 2
+        return BAD_INPUT_EXIT_CODE
     if print_only:
         print(config_to_toml(config), end="")
         return 0
@@ -53,11 +54,15 @@ def main(argv: list[str]) -> int:
 
 def check_world_size(config: Config, world_size: int) -> None:
     """The plan rules that depend on the process count; the ranks check them again, each for itself."""
-    from nsa_training.trainer import grad_accum_steps
-    from parallelisms import check_data_parallel
+    from nsa_training.trainer import check_log_rank, grad_accum_steps
+    from parallelisms import PlanError, check_data_parallel
 
+    check_log_rank(config, world_size)
     if world_size > 1:
-        check_data_parallel(config.parallelism, config.compile, world_size)
+        try:
+            check_data_parallel(config.parallelism, config.compile, world_size)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
     grad_accum_steps(config, world_size)
 
 

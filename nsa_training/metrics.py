@@ -15,13 +15,22 @@ from nsa_models.args import ModelArgs
 from nsa_models.telemetry import Histogram
 from nsa_training.config import MetricsConfig
 
+# The tag of each device's peak memory: the console line's `mem` and the sweep's peak_mem_gib read the first present.
+PEAK_MEMORY_TAGS = ("memory/max_allocated_gib", "memory/peak_rss_gib")
 
-def memory_gib(device: torch.device) -> tuple[float, float]:
-    """(max allocated, max reserved) GiB on a CUDA device; on CPU the process's peak RSS for both."""
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """Peak memory in GiB: the CUDA allocator's max allocated and reserved on a GPU; on CPU, where there is no
+    allocator to ask, the process's peak resident set size, under its own name."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    return rss, rss
+        return {"memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+
+
+def peak_memory_gib(scalars: dict) -> float | None:
+    """The peak memory among `scalars` (tag -> value), whichever device logged it; None without one."""
+    return next((scalars[tag] for tag in PEAK_MEMORY_TAGS if tag in scalars), None)
 
 
 @dataclasses.dataclass
@@ -159,7 +168,7 @@ class MetricLogger:
         eta = rate * (self.total_steps - step)
         return (f"step {step:>6}/{self.total_steps}  loss {s['train/loss']:.4f}  lr {s['train/lr']:.2e}  "
                 f"gnorm {s['train/grad_norm']:.3f}  tok/s {s['perf/tokens_per_s']:,.0f}  "
-                f"step {s['perf/step_time_s'] * 1000:.0f} ms  mem {s['memory/max_allocated_gib']:.2f} GiB  "
+                f"step {s['perf/step_time_s'] * 1000:.0f} ms  mem {peak_memory_gib(s):.2f} GiB  "
                 f"eta {int(eta // 60)}m{int(eta % 60):02d}s"
                 + (f"  mfu {s['perf/mfu']:.1%}" if "perf/mfu" in s else "")
                 + self._skip_marker(s.get("train/skipped_steps", 0)))

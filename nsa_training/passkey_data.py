@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nsa_training.config import ConfigError
-from nsa_training.data import Batch, PackedLoader
+from nsa_training.loaders import Batch, PackedLoader
 from nsa_training.passkey import NEEDLE, QUESTION, passkey_sample
 
 # Keys of 1 to MAX_KEY_DIGITS random digits: every `passkey.key_digits` the evaluation may ask for (at most 18).

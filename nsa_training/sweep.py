@@ -11,7 +11,7 @@ measured), OUT/<cell>/output.log, and the cell's overrides and results as tensor
 
 Columns: compile_s = step 1's time minus the median steady step time (what compiling added to step 1);
 to_step1_s = wall time from launch to the end of step 1 (imports, data, model build and compile); tokens_per_s
-and mfu = medians over the steps after --warmup; peak_mem_gib = memory/max_allocated_gib (peak RSS on CPU);
+and mfu = medians over the steps after --warmup; peak_mem_gib = memory/max_allocated_gib (memory/peak_rss_gib on CPU);
 graph_breaks and graphs_compiled = the trainer's readings after step 2; recompiles = Dynamo's recompile log
 lines (TORCH_LOGS=recompiles) over the whole run; cudagraph_skips = compiled graphs that a CUDA-graph mode
 (reduce-overhead, max-autotune) ran without CUDA graphs, after step 2 (0: every graph was captured).
@@ -103,8 +103,10 @@ def read_results(tb_dir: Path, warmup: int, launched_at: float) -> dict[str, flo
     step1 = [e for e in series.get("train/loss", []) if e.step == 1]
     if step1:
         results["to_step1_s"] = step1[0].wall_time - launched_at
-    if "memory/max_allocated_gib" in series:
-        results["peak_mem_gib"] = max(e.value for e in series["memory/max_allocated_gib"])
+    # metrics.PEAK_MEMORY_TAGS (a GPU's allocator peak, or a CPU's peak RSS), spelt out: the sweep imports no torch
+    peak_tag = next((tag for tag in ("memory/max_allocated_gib", "memory/peak_rss_gib") if tag in series), None)
+    if peak_tag is not None:
+        results["peak_mem_gib"] = max(e.value for e in series[peak_tag])
     if "compile/graph_breaks" in series:
         results["graph_breaks"] = int(series["compile/graph_breaks"][-1].value)
     if "compile/graphs_compiled" in series:

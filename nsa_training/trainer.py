@@ -28,9 +28,11 @@ from nsa_models.model import Transformer, document_alignment
 from nsa_models.nsa import check_backend
 from nsa_models.telemetry import nsa_metrics
 from nsa_training.checkpoint import CheckpointManager, ModelState, OptimizerState, RankLocalState, RNGState
-from nsa_training.config import Config, ConfigError, config_to_dict, config_to_toml, load_config
-from nsa_training.data import IGNORE_INDEX, build_data_loader
-from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_gib, peak_tflops
+from nsa_training.config import Config, ConfigError, TrainingConfig, config_to_dict, config_to_toml, load_config
+from nsa_training.data import build_data_loader
+from nsa_training.exit_codes import DIVERGED_EXIT_CODE, OOM_EXIT_CODE
+from nsa_training.loaders import IGNORE_INDEX
+from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_scalars, peak_tflops
 from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from nsa_training.passkey import (
     HEAT_MAP_TAG,
@@ -43,8 +45,6 @@ from nsa_training.passkey import (
     passkey_scalars,
 )
 from nsa_training.watchdog import (
-    DIVERGED_EXIT_CODE,
-    OOM_EXIT_CODE,
     HangWatchdog,
     MemorySnapshots,
     ReportFailures,
@@ -55,6 +55,7 @@ from nsa_training.watchdog import (
 )
 from parallelisms import (
     CUDA_GRAPH_MODES,
+    PlanError,
     build_mesh,
     check_plan,
     compile_counters,
@@ -71,6 +72,13 @@ RESUMABLE_MODEL_KEYS = {"model.flavor", "model.init_std", "model.nsa.backend", "
                         "model.nsa.cmp_backend", "model.nsa.float_atomics", "model.nsa.query_chunk"}
 
 
+def check_log_rank(config: Config, world_size: int) -> None:
+    """A log rank that no process has would print nothing at all: refuse it."""
+    if config.metrics.log_rank >= world_size:
+        raise ConfigError(f"metrics.log_rank = {config.metrics.log_rank} names no rank of this run's {world_size} "
+                          f"(0 to {world_size - 1}): set metrics.log_rank below {world_size}")
+
+
 def grad_accum_steps(config: Config, dp_size: int) -> int:
     """Micro-batches per optimizer step on each of `dp_size` data-parallel ranks (the launcher checks it too)."""
     cfg = config.training
@@ -79,6 +87,24 @@ def grad_accum_steps(config: Config, dp_size: int) -> int:
         raise ConfigError(f"training.global_batch_tokens = {cfg.global_batch_tokens} is not a multiple of "
                           f"micro_batch_size x seq_len x data-parallel ranks = {per_step}: pick a multiple")
     return cfg.global_batch_tokens // per_step
+
+
+def attention_line(model: ModelArgs) -> str:
+    """The start-up line that names the attention kernels the run uses, e.g. `attention: nsa, backend triton
+    (window flex, compressed triton)`: what ran is in the log, not only in the config."""
+    if model.attention != "nsa":
+        return f"attention: {model.attention}"
+    nsa = model.nsa
+    if nsa.backend == "reference":  # one vectorised PyTorch implementation of every branch
+        return "attention: nsa, backend reference"
+    return (f"attention: nsa, backend {nsa.backend} (window {nsa.window_backend}, compressed {nsa.cmp_backend}"
+            + (", float atomics" if nsa.float_atomics else "") + ")")
+
+
+def evaluates_at(step: int, cfg: TrainingConfig) -> bool:
+    """Whether step `step` evaluates: every `eval_interval` steps and, so that every run with evaluation on ends
+    with an eval loss (a run shorter than the interval included), its last step; never with `eval_interval` 0."""
+    return cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.steps)
 
 
 class TrainingDiverged(RunFailed):
@@ -110,6 +136,7 @@ class Trainer:
         self.run_dir = Path(config.job.run_dir)
         self.device = self._pick_device(config.training.device)
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        check_log_rank(config, self.world_size)  # the launcher checks it too; a plain `python train.py` has no launcher
         if config.debug.deterministic:
             # cuBLAS is deterministic only with a fixed workspace: without this variable, use_deterministic_algorithms
             # makes the first CUDA matmul raise. Set before anything creates a cuBLAS handle.
@@ -152,8 +179,11 @@ class Trainer:
         config.compile = resolve_compile_mode(config.compile, device_type=self.device.type,
                                               data_parallel=config.parallelism.data_parallel,
                                               world_size=self.world_size)
-        check_plan(config.parallelism, config.activation_checkpoint, config.compile, config.float8,
-                   world_size=self.world_size, device_type=self.device.type, gpu_capability=capability)
+        try:
+            check_plan(config.parallelism, config.activation_checkpoint, config.compile, config.float8,
+                       world_size=self.world_size, device_type=self.device.type, gpu_capability=capability)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
         backend = config.parallelism.dist_backend
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -247,14 +277,18 @@ class Trainer:
             raise ConfigError(str(e)) from None
 
     def _build_model(self) -> torch.nn.Module:
-        model = build_model(self.config.model, self.device, lambda m: parallelize(
-            m, self.config.parallelism, self.config.activation_checkpoint, self.config.compile, self.config.float8,
-            self.mesh, self.compute_dtype))
+        try:
+            model = build_model(self.config.model, self.device, lambda m: parallelize(
+                m, self.config.parallelism, self.config.activation_checkpoint, self.config.compile,
+                self.config.float8, self.mesh, self.compute_dtype))
+        except PlanError as e:  # float8 with nothing to convert
+            raise ConfigError(str(e)) from None
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "
                     f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}"
                     + (f", compile mode {self.config.compile.mode}" if self.config.compile.enable else ""))
+        self._print(attention_line(self.config.model))
         return model
 
     # -- optimizer ----------------------------------------------------------------------------------------------
@@ -453,6 +487,9 @@ class Trainer:
         self._start_perf_window()
         profiler = self._profiler()
         debug, first_step = self.config.debug, self.step + 1
+        self.train_start, self.first_step = time.perf_counter(), first_step
+        self.last_train_loss: float | None = None  # the summary's: the last logged step's, and the last evaluation's
+        self.last_eval: tuple[int, float] | None = None
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
                              out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
@@ -469,8 +506,9 @@ class Trainer:
                         f"step {self.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
                         f"row (training.max_skipped_steps = {cfg.max_skipped_steps}); latest checkpoint "
                         f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
-                if self.eval_loader is not None and self.step % cfg.eval_interval == 0:
-                    self.metrics.log(self.step, {"eval/loss": self.evaluate()})
+                if self.eval_loader is not None and evaluates_at(self.step, cfg):
+                    self.last_eval = self.step, self.evaluate()
+                    self.metrics.log(self.step, {"eval/loss": self.last_eval[1]})
                     if self.passkey_filler is not None:
                         self._evaluate_passkey()
                 if applied:  # never checkpoint right after a non-finite step: resume from the last good one
@@ -490,14 +528,14 @@ class Trainer:
 
     def _start_perf_window(self) -> None:
         """Model FLOPs per device per step (perf/tflops; MFU divides by the bf16 peak, so an fp32 run reads low) and
-        the first window of steps that perf/* averages over."""
+        the first window of steps that perf/* averages over. MFU is a GPU's measure: a CPU run logs none, quietly;
+        a GPU missing from the peak table says so once."""
         self.flops_per_step = (flops_per_token(self.config.model, self.config.data.seq_len).total
                                * self.config.training.global_batch_tokens / self.world_size)
         self.peak_tflops = peak_tflops(self.device)
-        if self.peak_tflops is None and self.rank == self.config.metrics.log_rank:
-            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-            print(f"warning: no peak TFLOP/s known for device {name!r} (nsa_training/metrics.py PEAK_BF16_TFLOPS): "
-                  "perf/mfu is not logged", file=sys.stderr, flush=True)
+        if self.peak_tflops is None and self.device.type == "cuda" and self.rank == self.config.metrics.log_rank:
+            print(f"warning: no peak TFLOP/s known for GPU {torch.cuda.get_device_name(self.device)!r} "
+                  "(nsa_training/metrics.py PEAK_BF16_TFLOPS): perf/mfu is not logged", file=sys.stderr, flush=True)
         self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
 
     def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_time: float, lr: float,
@@ -514,8 +552,8 @@ class Trainer:
             self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
         if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
             loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
+            self.last_train_loss = loss
             elapsed = (time.perf_counter() - self.window_start) / self.window_steps
-            allocated, reserved = memory_gib(self.device)
             tflops = self.flops_per_step / elapsed / 1e12
             self.metrics.log(self.step, {
                 "train/loss": loss, "train/lr": lr,
@@ -523,7 +561,7 @@ class Trainer:
                 "perf/tokens_per_s": self.config.training.global_batch_tokens / elapsed, "perf/step_time_s": elapsed,
                 "perf/data_time_s": self.window_data_time / self.window_steps, "perf/tflops": tflops,
                 **({"perf/mfu": tflops / self.peak_tflops} if self.peak_tflops else {}),
-                "memory/max_allocated_gib": allocated, "memory/max_reserved_gib": reserved})
+                **memory_scalars(self.device)})
             self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
         if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step):
             # Computed in every forward inside the compiled graph; reading it is this step's one extra sync.
@@ -542,10 +580,27 @@ class Trainer:
         else:
             if self.config.checkpoint.export_weights:
                 self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
-            self._print(f"done: {self.step} steps; run_dir {self.run_dir}")
+            self._print(self._summary(time.perf_counter() - self.train_start))
         dist.destroy_process_group()
         # Stopped: not 0, the run is unfinished; schedulers and torchrun read 128 + signal as "killed by it".
         return 128 + self.stop_signum if self.stop_signum else 0
+
+    def _summary(self, wall_s: float) -> str:
+        """The end of a finished run: its last losses, the tokens this process trained and how fast, and where
+        its checkpoint, weights and tensorboard events are."""
+        c = self.config
+        trained = (self.step - self.first_step + 1) * c.training.global_batch_tokens  # this start's steps only
+        losses = f"final train loss {self.last_train_loss:.4f}" if self.last_train_loss is not None else ""
+        if self.last_eval is not None:
+            losses += f", eval loss {self.last_eval[1]:.4f} (step {self.last_eval[0]})"
+        weights = self.run_dir / "model.pt"
+        lines = [f"done: {self.step} steps; run_dir {self.run_dir}",
+                 *([f"  {losses}"] if losses else []),
+                 f"  {trained:,} tokens in {wall_s:.1f} s ({trained / max(wall_s, 1e-9):,.0f} tokens/s)",
+                 f"  checkpoint {self._latest_checkpoint() if c.checkpoint.enable else 'off (checkpoint.enable)'}",
+                 *([f"  weights {weights}"] if c.checkpoint.export_weights else []),
+                 f"  tensorboard {self.run_dir / 'tb' if c.metrics.tensorboard else 'off (metrics.tensorboard)'}"]
+        return "\n".join(lines)
 
     def _latest_checkpoint(self) -> str:
         complete = self.checkpointer.complete_checkpoints()

@@ -15,12 +15,9 @@ import time
 from pathlib import Path
 
 from nsa_training.config import Config, ConfigError
+from nsa_training.exit_codes import COLLECTIVE_EXIT_CODE, HANG_EXIT_CODE, OOM_EXIT_CODE
 from parallelisms.compile import CUDA_GRAPH_MODES
 
-HANG_EXIT_CODE = 3
-DIVERGED_EXIT_CODE = 4
-COLLECTIVE_EXIT_CODE = 5
-OOM_EXIT_CODE = 6
 LAUNCHER_PID = "NSA_LAUNCHER_PID"  # set by nsa_training/launch.py for its workers
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from nsa_models.nsa import AC_ALWAYS_SAVE_OPS, AC_SELECTIVE_SAVE_OPS
-from nsa_training.config import ActivationCheckpointConfig
+from parallelisms.config import ActivationCheckpointConfig
 
 # `selective_op` also keeps the expensive outputs: matmuls (linears, the reference backend's einsums, float8's
 # scaled mm and the `max` behind its tensorwise scales) and fused attention (the model's NSA kernels among it);

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from nsa_training.config import CompileConfig
+from parallelisms.config import CompileConfig
 
 # Inductor modes that replay the compiled graphs as CUDA graphs.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

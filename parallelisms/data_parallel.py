@@ -9,7 +9,7 @@ from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from nsa_training.config import ParallelismConfig
+from parallelisms.config import ParallelismConfig
 
 
 def build_mesh(cfg: ParallelismConfig, world_size: int, device_type: str) -> DeviceMesh | None:

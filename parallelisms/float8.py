@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from nsa_models.model import HIGH_PRECISION_MODULES
-from nsa_training.config import ConfigError, Float8Config
+from parallelisms.config import Float8Config, PlanError
 
 
 def _is_float8_worthy(module: nn.Module, fqn: str, min_features: int) -> bool:
@@ -24,8 +24,8 @@ def apply_float8(model: nn.Module, cfg: Float8Config) -> None:
     worthy = {fqn for fqn, module in model.named_modules() if _is_float8_worthy(module, fqn, cfg.min_features)}
     if not worthy:
         # Converting nothing would train in bf16 while the recipe says float8: say so instead.
-        raise ConfigError(f"float8.min_features = {cfg.min_features}: no linear layer has both dimensions >= it, so "
-                          "float8 would change nothing; lower float8.min_features (e.g. to model.dim) or set "
-                          "float8.enable = false")
+        raise PlanError(f"float8.min_features = {cfg.min_features}: no linear layer has both dimensions >= it, so "
+                        "float8 would change nothing; lower float8.min_features (e.g. to model.dim) or set "
+                        "float8.enable = false")
     config = Float8LinearConfig.from_recipe_name(cfg.recipe)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in worthy)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import CUDA_GRAPH_MODES, apply_compile
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig, PlanError
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.float8 import apply_float8
 
@@ -16,26 +16,26 @@ from parallelisms.float8 import apply_float8
 def check_plan(parallelism: ParallelismConfig, ac: ActivationCheckpointConfig, compile: CompileConfig,
                float8: Float8Config, *, world_size: int, device_type: str,
                gpu_capability: tuple[int, int] | None) -> None:
-    """Raise ConfigError for a plan that cannot run here; call it before creating any process group.
+    """Raise PlanError for a plan that cannot run here; call it before creating any process group.
 
     `ac` is part of the plan for completeness: every activation-checkpoint setting combines with the rest.
     """
     if parallelism.dist_backend == "nccl" and device_type != "cuda":
-        raise ConfigError(f"parallelism.dist_backend = 'nccl' needs CUDA (device is {device_type}): "
-                          "set it to 'gloo' or 'auto'")
+        raise PlanError(f"parallelism.dist_backend = 'nccl' needs CUDA (device is {device_type}): "
+                        "set it to 'gloo' or 'auto'")
     if world_size > 1:
         check_data_parallel(parallelism, compile, world_size)
     if compile.enable and compile.mode in CUDA_GRAPH_MODES and device_type != "cuda":
         # Inductor would quietly skip the CUDA graphs on another device: say so instead.
-        raise ConfigError(f"compile.mode = '{compile.mode}' replays CUDA graphs, which need CUDA (device is "
-                          f"{device_type}): use 'default' or 'max-autotune-no-cudagraphs'")
+        raise PlanError(f"compile.mode = '{compile.mode}' replays CUDA graphs, which need CUDA (device is "
+                        f"{device_type}): use 'default' or 'max-autotune-no-cudagraphs'")
     if float8.enable:
         if device_type != "cuda":
-            raise ConfigError(f"float8.enable = true needs a CUDA GPU of SM89 or newer (device is {device_type}): "
-                              "set float8.enable = false")
+            raise PlanError(f"float8.enable = true needs a CUDA GPU of SM89 or newer (device is {device_type}): "
+                            "set float8.enable = false")
         if gpu_capability is None or gpu_capability < (8, 9):
-            raise ConfigError(f"float8.enable = true needs SM89 or newer (this GPU is SM{_sm(gpu_capability)}): "
-                              "set float8.enable = false")
+            raise PlanError(f"float8.enable = true needs SM89 or newer (this GPU is SM{_sm(gpu_capability)}): "
+                            "set float8.enable = false")
 
 
 def _sm(capability: tuple[int, int] | None) -> str:
@@ -47,22 +47,22 @@ def check_data_parallel(parallelism: ParallelismConfig, compile: CompileConfig, 
     replicas = parallelism.dp_replicate
     if parallelism.data_parallel == "hsdp":
         if world_size % replicas:
-            raise ConfigError(f"parallelism.dp_replicate = {replicas} must divide the world size ({world_size}): "
-                              "set it to the node count")
+            raise PlanError(f"parallelism.dp_replicate = {replicas} must divide the world size ({world_size}): "
+                            "set it to the node count")
         if replicas == 1:
-            raise ConfigError("parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp' plain FSDP: "
-                              "set dp_replicate to the node count or data_parallel = 'fsdp'")
+            raise PlanError("parallelism.dp_replicate = 1 makes parallelism.data_parallel = 'hsdp' plain FSDP: "
+                            "set dp_replicate to the node count or data_parallel = 'fsdp'")
     if parallelism.data_parallel in ("fsdp", "hsdp") and compile.enable:
         # FSDP2 all-gathers into new storage every step and frees it after use: CUDA graphs replay fixed
         # addresses, so they would read freed memory.
         if compile.mode in CUDA_GRAPH_MODES:
-            raise ConfigError(f"compile.mode = '{compile.mode}' uses CUDA graphs, which cannot capture "
-                              f"parallelism.data_parallel = '{parallelism.data_parallel}': "
-                              "use 'default' or 'max-autotune-no-cudagraphs'")
+            raise PlanError(f"compile.mode = '{compile.mode}' uses CUDA graphs, which cannot capture "
+                            f"parallelism.data_parallel = '{parallelism.data_parallel}': "
+                            "use 'default' or 'max-autotune-no-cudagraphs'")
         if compile.scope == "model":
-            raise ConfigError(f"compile.scope = 'model' with parallelism.data_parallel = "
-                              f"'{parallelism.data_parallel}': the per-block FSDP hooks would split the graph; "
-                              "use compile.scope = 'block'")
+            raise PlanError(f"compile.scope = 'model' with parallelism.data_parallel = "
+                            f"'{parallelism.data_parallel}': the per-block FSDP hooks would split the graph; "
+                            "use compile.scope = 'block'")
 
 
 def parallelize(model: nn.Module, parallelism: ParallelismConfig, ac: ActivationCheckpointConfig,

@@ -29,7 +29,10 @@ import tokenize
 from pathlib import Path
 from pydoc_data.topics import topics
 
-OUTPUT = Path(__file__).resolve().parents[1] / "training" / "corpus" / "python_docs.jsonl.gz"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nsa_training.documents import EMBEDDED_CORPUS  # noqa: E402
+
+OUTPUT = EMBEDDED_CORPUS  # where data.source = "embedded" reads it
 TEST_DIRS = {"test", "tests", "idle_test", "site-packages"}  # test suites (and third-party packages)
 MIN_CHARS = 60  # one-liners such as "Return self+value." add no prose
 MIN_PROSE_SHARE = 0.85  # letters and spaces in a comment block; lower is commented-out code or a table

@@ -3,8 +3,12 @@
     python scripts/generate.py runs/debug --prompt "def main(" --max-new-tokens 200
     python scripts/generate.py runs/debug --prompts-file prompts.txt --temperature 0   # greedy, one prompt a line
 
-Each new token comes from a full forward over the context (the last `model.max_seq_len` tokens): no key/value
-cache, so sampling is exactly the model's training-time computation. `--temperature 0` is greedy decoding;
+The prompt runs through one full forward; each new token then costs one step with a key/value cache
+(`nsa_models.decoding`: the same reference math, the layers' cached keys, values and compressed blocks).
+`--no-cache` computes every token with a full forward over the context instead (the oracle: the model's
+training-time computation). Either way the context is the last `model.max_seq_len` tokens: once it is full, each
+token needs a full forward, as positions shift. An empty prompt starts from the tokenizer's end-of-text token,
+which precedes every document in training (GPT-2's convention). `--temperature 0` is greedy decoding;
 otherwise logits are divided by the temperature, cut to the `--top-k` most likely tokens (0: all) and sampled
 with a generator seeded by `--seed` (the same command prints the same text).
 """
@@ -16,10 +20,14 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from nsa_models.decoding import decode_step, prefill
 from nsa_models.model import Transformer
 from nsa_training.config import ConfigError
 from nsa_training.inference import load_run
+
+PROGRESS_MIN_TOKENS = 256  # longer generations show a progress bar on stderr
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -35,17 +43,33 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
-    """`prompt` followed by up to `max_new_tokens` sampled ids (fewer if `eos_id` comes)."""
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None, use_cache: bool = True) -> list[int]:
+    """`prompt` (at least one id) followed by up to `max_new_tokens` sampled ids (fewer if `eos_id` comes).
+    use_cache: decode with a key/value cache; False recomputes a full forward per token."""
+    if not prompt:
+        raise ValueError("generate needs a prompt of at least one token id")
     device = model.tok_embeddings.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
+    window = model.args.max_seq_len
     tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-model.args.max_seq_len:]], device=device)
-        token = next_token(model(context)[0, -1], temperature, top_k, generator)
+    cache = None
+    steps = tqdm(range(max_new_tokens), desc="tokens", unit="tok", file=sys.stderr, leave=False,
+                 disable=max_new_tokens < PROGRESS_MIN_TOKENS)
+    for _ in steps:
+        if cache is not None and cache.length < window:
+            logits = decode_step(model, torch.tensor([tokens[-1]], device=device), cache)[0]
+        else:  # the first token, a full context (positions restart: the window slides) or --no-cache
+            context = torch.tensor([tokens[-window:]], device=device)
+            if use_cache:
+                logits, cache = prefill(model, context)
+                logits = logits[0, -1]
+            else:
+                logits = model(context)[0, -1]
+        token = next_token(logits, temperature, top_k, generator)
         tokens.append(token)
         if token == eos_id:
             break
+    steps.close()
     return tokens
 
 
@@ -59,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute a full forward per token (the oracle of the cached decoding)")
     args = parser.parse_args(argv)
     if args.prompts_file is not None:
         try:
@@ -78,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, _, path = load_run(args.run_dir, torch.device(args.device))
         print(f"# {path}", file=sys.stderr)
         for prompt in args.prompt:
-            ids = tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt) or [tokenizer.eos_id]  # empty: start a document, as after an EOS
             out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           seed=args.seed, eos_id=tokenizer.eos_id)
+                           seed=args.seed, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
             print(prompt + tokenizer.decode(out[len(ids):]), flush=True)
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")

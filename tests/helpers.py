@@ -25,6 +25,27 @@ FAST = ["--data.seq_len", "128", "--training.global_batch_tokens", "512", "--tra
 
 # --- train.py / run.sh runs ------------------------------------------------------------------------------------
 
+def merged(*argvs: list[str] | tuple[str, ...]) -> list[str]:
+    """Command lines joined into one, a later `--key value` (or `--key=value`) replacing an earlier value of the same
+    key where it stood: train.py refuses a key given twice, and tests change FAST's keys. Other arguments (a recipe,
+    --print-config) stay as they are."""
+    out: list[str] = []
+    where: dict[str, int] = {}  # key -> index of its value in out
+    words = iter(word for argv in argvs for word in argv)
+    for word in words:
+        if not word.startswith("--") or word == "--print-config":  # a recipe, or the one flag without a value
+            out.append(word)
+            continue
+        key, has_value, value = word[2:].partition("=")
+        value = value if has_value else next(words)
+        if key in where:
+            out[where[key]] = value
+        else:
+            out += [f"--{key}", value]
+            where[key] = len(out) - 1
+    return out
+
+
 def env() -> dict[str, str]:
     """The environment of a train.py / run.sh subprocess: offline datasets, unbuffered output, one process."""
     return {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "NGPU": "1"}

@@ -26,7 +26,6 @@ from torch import nn
 
 from nsa_training.checkpoint import (
     MANIFEST,
-    WRITE_FAILED_EXIT_CODE,
     CheckpointManager,
     CheckpointWriteFailed,
     ModelState,
@@ -35,6 +34,7 @@ from nsa_training.checkpoint import (
     RNGState,
 )
 from nsa_training.config import CheckpointConfig, ConfigError
+from nsa_training.exit_codes import WRITE_FAILED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]  # on PYTHONPATH of the subprocess workers, which run this file
 

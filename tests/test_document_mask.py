@@ -26,7 +26,8 @@ from nsa_models.model import document_alignment, document_block_mask, document_m
 from nsa_models.nsa import nsa_attention, window_mask  # noqa: E402
 from nsa_models.telemetry import NSA_STATS, nsa_stats  # noqa: E402
 from nsa_training.config import ConfigError, DataConfig, load_config  # noqa: E402
-from nsa_training.data import IGNORE_INDEX, build_data_loader  # noqa: E402
+from nsa_training.data import build_data_loader  # noqa: E402
+from nsa_training.loaders import IGNORE_INDEX  # noqa: E402
 from nsa_training.trainer import build_model  # noqa: E402
 from tests.helpers import REPO, event_files, scalars  # noqa: E402
 
@@ -368,7 +369,7 @@ def test_trainer_feeds_document_starts_to_the_model_and_skips_padding(tmp_path, 
             "--metrics.log_freq", "1"]
     assert train.main(argv) == 0
     logged = scalars(event_files(run_dir)[0])
-    config, _ = load_config(argv)
+    config, _ = load_config([str(run_dir / "config.toml")])  # as the run resolved it (the tokenizer's vocabulary)
     torch.manual_seed(config.training.seed)
     model = build_model(config.model, torch.device("cpu"), lambda m: None)  # the trainer's initial weights
     loader_args = dict(batch_size=2, dp_rank=0, dp_world_size=1, seed=config.training.seed,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa_models import get_flavor
 from nsa_models.model import Transformer
 from nsa_training.config import load_config
 from nsa_training.tokenizer import build_tokenizer
@@ -88,3 +89,37 @@ def test_bad_run_dir_is_one_error_line(tmp_path, case):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: RUN_DIR"), done.stderr
+
+
+def test_no_cache_prints_the_same_text(run_dir):
+    args = (str(SCRIPT), str(run_dir), "--prompt", "def ", "--max-new-tokens", "24", "--device", "cpu", "--seed", "5")
+    cached, recomputed = _run(*args), _run(*args, "--no-cache")
+    assert cached.returncode == 0 and recomputed.returncode == 0, cached.stderr + recomputed.stderr
+    assert cached.stdout == recomputed.stdout
+
+
+def test_empty_prompt_starts_from_end_of_text(run_dir):
+    """An empty prompt used to end in a traceback (a float tensor of no ids); it now starts a document, as after the
+    end-of-text token that precedes every training document, and prints only the generated text."""
+    done = _run(str(SCRIPT), str(run_dir), "--prompt", "", "--max-new-tokens", "8", "--temperature", "0",
+                "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    config, _ = load_config([str(run_dir / "config.toml")])
+    model = Transformer(config.model)
+    model.load_state_dict(torch.load(run_dir / "model.pt"))
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    out = _generate_module().generate(model.eval(), [tokenizer.eos_id], 8, temperature=0, eos_id=tokenizer.eos_id)
+    assert done.stdout == tokenizer.decode(out[1:]) + "\n"
+
+
+def test_long_generations_show_progress(monkeypatch, capsys):
+    module = _generate_module()
+    monkeypatch.setattr(module, "PROGRESS_MIN_TOKENS", 5)
+    args = get_flavor("debug")
+    args.max_seq_len = 16
+    model = Transformer(args)
+    model.init_weights()
+    assert len(module.generate(model.eval(), [1, 2], 5, temperature=0)) == 7
+    assert "tokens" in capsys.readouterr().err
+    module.generate(model, [1, 2], 4, temperature=0)
+    assert capsys.readouterr().err == ""

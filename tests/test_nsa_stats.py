@@ -17,8 +17,9 @@ from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
 from nsa_models.model import Transformer
 from nsa_models.telemetry import NSA_STATS, nsa_metrics
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, load_config
+from nsa_training.config import ConfigError, load_config
 from parallelisms import apply_ac, apply_compile, compile_counters
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig
 from tests.nsa_oracle import masked_attention
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from nsa_models.args import NSAArgs
 from nsa_models.model import apply_rope, rope_cache
 from nsa_models.nsa import nsa_attention
 from nsa_models.nsa.reference import selection_scores
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig
 from parallelisms import apply_ac, parallelize
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig
 from tests.helpers import needs_flash_attn_4
 from tests.nsa_oracle import oracle_nsa
 

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, ConfigError, Float8Config, ParallelismConfig  # noqa: E402
 from parallelisms import apply_ac, apply_compile, apply_float8, check_plan, compile_counters, resolve_compile_mode  # noqa: E402
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig, PlanError  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches, train_losses  # noqa: E402
 from tests.helpers import needs_flash_attn_4  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_float8_converts_large_linears_only(min_features, kinds):
 
 
 def test_float8_that_converts_nothing_is_an_error():
-    with pytest.raises(ConfigError, match="float8.min_features = 100000: no linear layer"):
+    with pytest.raises(PlanError, match="float8.min_features = 100000: no linear layer"):
         apply_float8(float8_candidate(), Float8Config(enable=True, min_features=100000))
 
 
@@ -273,7 +273,7 @@ def plan(world_size=2, device_type="cpu", gpu_capability=None, **sections):
     (plan(parallelism=ParallelismConfig(dist_backend="nccl")), "parallelism.dist_backend"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_check_plan_rejects(kwargs, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:
+    with pytest.raises(PlanError, match=key.replace(".", r"\.")) as error:
         check_plan(**kwargs)
     assert "\n" not in str(error.value)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.retrieval import comparison_table
+from bench.retrieval import ARMS, accuracy_grid, arm_table
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.model import NSAAttention, apply_rope, rope_cache
 from nsa_training.config import ConfigError, DataConfig, config_to_dict, load_config
@@ -177,16 +177,17 @@ def test_recipe_and_its_commands_load():
 
 # --- bench/retrieval.py -----------------------------------------------------------------------------------------
 
-def test_comparison_table_pairs_the_runs_cell_by_cell():
-    nsa = [PasskeyScore(L, d, 1.0 if (L, d) != (512, 0.5) else 0.5, -0.1) for L in (256, 512) for d in (0.0, 0.5, 1.0)]
-    window_only = [PasskeyScore(L, d, d * 0.9 + 0.1, -2.0) for L in (512, 256) for d in (1.0, 0.5, 0.0)]
-    assert comparison_table(nsa, window_only).splitlines() == [
+def test_arm_table_gives_each_cell_the_seeds_mean_and_range():
+    seed0 = [PasskeyScore(L, d, 0.5 if (L, d) == (512, 0.5) else 1.0, -0.1) for L in (256, 512) for d in (0, 0.5, 1)]
+    seed1 = [PasskeyScore(L, d, d * 0.9 + 0.1, -2.0) for L in (512, 256) for d in (1.0, 0.5, 0.0)]
+    assert arm_table(accuracy_grid([seed0, seed1])).splitlines() == [
         "| length | depth 0.00 | depth 0.50 | depth 1.00 | mean |",
         "|---|---|---|---|---|",
-        "| 256 | 1.00 / 0.10 | 1.00 / 0.55 | 1.00 / 1.00 | 1.00 / 0.55 |",
-        "| 512 | 1.00 / 0.10 | 0.50 / 0.55 | 1.00 / 1.00 | 0.83 / 0.55 |"]
+        "| 256 | 0.55 (0.10-1.00) | 0.78 (0.55-1.00) | 1.00 (1.00-1.00) | 0.77 (0.55-1.00) |",
+        "| 512 | 0.55 (0.10-1.00) | 0.53 (0.50-0.55) | 1.00 (1.00-1.00) | 0.69 (0.55-0.83) |"]
+    assert arm_table(accuracy_grid([seed0])).splitlines()[3] == "| 512 | 1.00 | 0.50 | 1.00 | 0.83 |"
     with pytest.raises(ValueError, match="different lengths or depths"):
-        comparison_table(nsa, window_only[:-1])
+        accuracy_grid([seed0, seed1[:-1]])
 
 
 # Debug-sized runs on CPU: one block of width 64, 2 rows of 256 per step, [passkey] at 128 and 256.
@@ -206,38 +207,32 @@ def accuracy_rows(table: str) -> dict[str, list[str]]:
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
 
 
-def test_bench_trains_both_runs_and_tabulates_their_checkpoints(tmp_path):
-    """Two 2-step runs, NSA and window-only: the table pairs, cell by cell, what scripts/eval_passkey.py prints for
-    each run's final checkpoint."""
+def test_bench_trains_every_arm_and_tabulates_their_checkpoints(tmp_path):
+    """2-step runs of the three arms (NSA, window-only, dense), one seed: each arm's table is what
+    scripts/eval_passkey.py prints for its run's final checkpoint, and each arm has a labelled heat map."""
     out = tmp_path / "out"
-    command = [sys.executable, "bench/retrieval.py", "--steps", "2", "--out", str(out), "--depths", "3",
-               "--samples", "2", *(a for k, v in TINY.items() for a in ("--set", f"{k}={v}"))]
+    command = [sys.executable, "bench/retrieval.py", "--steps", "2", "--seeds", "1", "--out", str(out), "--depths",
+               "3", "--samples", "2", *(a for k, v in TINY.items() for a in ("--set", f"{k}={v}"))]
     run = functools.partial(subprocess.run, cwd=REPO, env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=900)
     result = run(command)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    singles = []
-    for flag in ("false", "true"):
-        run_dir = out / f"model.nsa.window_only={flag}"
-        assert f"window_only = {flag}\n" in (run_dir / "config.toml").read_text()
+    report = (out / "retrieval.md").read_text()
+    assert "window_size 32, data.seq_len 256" in report and report in result.stdout
+    tables = report.split("\n\n")[1:]  # each arm: its title line, then its table
+    for arm, overrides, title, table in zip(ARMS, ARMS.values(), tables[::2], tables[1::2]):
+        run_dir = out / ",".join(f"{k}={v}" for k, v in {**overrides, "training.seed": "0"}.items())
+        assert title.strip().startswith(f"{arm} (")
+        assert f"attention = \"{overrides['model.attention']}\"" in (run_dir / "config.toml").read_text()
         single = run([sys.executable, "scripts/eval_passkey.py", str(run_dir), "--min-length", "128", "--depths", "3",
                       "--samples", "2", "--device", "cpu"])
         assert single.returncode == 0, single.stderr
-        singles.append(accuracy_rows(single.stdout))
-    nsa, window_only = singles
-    assert list(nsa) == ["128", "256"] and len(nsa["128"]) == 4  # 3 depths and the mean
-    expected = {length: [f"{a} / {b}" for a, b in zip(nsa[length], window_only[length])] for length in nsa}
-    table = (out / "retrieval.md").read_text()
-    assert accuracy_rows(table) == expected and accuracy_rows(result.stdout) == expected
-    assert "window_size 32, data.seq_len 256" in table
-    # Each run's step-2 [passkey] heat map as tensorboard stored it: lengths 128, 256 x 5 depths, 16 pixels a cell.
-    from PIL import Image
+        assert accuracy_rows(table) == accuracy_rows(single.stdout)
+        assert list(accuracy_rows(table)) == ["128", "256"] and len(accuracy_rows(table)["128"]) == 4  # 3 depths, mean
+        from PIL import Image
 
-    for label in ("nsa", "window_only"):
-        with Image.open(out / f"heat_map_{label}.png") as image:
-            assert image.format == "PNG" and image.size == (5 * 16, 2 * 16)
-            red, green, blue = image.convert("RGB").getpixel((8, 8))
-            assert blue == 0 and red + green in (254, 255, 256)  # red 1 - accuracy, green accuracy
+        with Image.open(out / f"heat_map_{arm}.png") as image:  # drawn with axes, values and a colour bar
+            assert image.format == "PNG" and image.size[0] > 200 and image.size[1] > 150
 
 
 def test_bench_bad_input_is_one_line(tmp_path):

@@ -13,13 +13,14 @@ import torch
 
 from nsa_models.args import FLAVORS
 from nsa_training.config import ConfigError, load_config
+from nsa_training.exit_codes import OOM_EXIT_CODE
 from nsa_training.optim import lr_multiplier
 from nsa_training.trainer import Trainer
-from nsa_training.watchdog import OOM_EXIT_CODE, ReportFailures, RunFailed
-from tests.helpers import FAST, REPO, env, event_files, scalars
+from nsa_training.watchdog import ReportFailures, RunFailed
+from tests.helpers import FAST, REPO, env, event_files, merged, scalars
 
 TAGS = {"train/loss", "train/lr", "train/grad_norm", "eval/loss", "perf/tokens_per_s", "perf/step_time_s",
-        "perf/data_time_s", "memory/max_allocated_gib"}
+        "perf/data_time_s", "memory/peak_rss_gib" if not torch.cuda.is_available() else "memory/max_allocated_gib"}
 
 
 def test_run_sh_end_to_end(tmp_path):
@@ -97,9 +98,9 @@ def test_runtime_errors_are_one_line(tmp_path, args, message):
 
 
 def run_train(run_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir", str(run_dir), *FAST,
-                           "--checkpoint.interval", "3", "--training.eval_interval", "0", *args], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--job.run_dir", str(run_dir),
+                           *merged(FAST, ["--checkpoint.interval", "3", "--training.eval_interval", "0"], args)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
 
 
 def logged_once(run_dir) -> dict[str, dict[int, float]]:
@@ -247,7 +248,8 @@ def test_cuda_graphs_capture_every_graph_and_train_as_default(tmp_path):
     for mode in ("default", "reduce-overhead"):
         run_dir = tmp_path / mode
         result = subprocess.run([sys.executable, "train.py", "recipes/debug.toml", "--training.steps", "10",
-                                 "--job.run_dir", str(run_dir), *FAST, "--training.global_batch_tokens", "1024",
+                                 "--job.run_dir", str(run_dir),
+                                 *merged(FAST, ["--training.global_batch_tokens", "1024"]),
                                  "--training.device", "cuda", "--compile.enable", "true", "--compile.mode", mode,
                                  "--model.nsa.backend", "triton", "--data.source", "synthetic"],
                                 cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)

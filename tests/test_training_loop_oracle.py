@@ -90,7 +90,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     logged = scalars(events)
     trainer = {"loss": logged["train/loss"], "grad_norm": logged["train/grad_norm"], "eval": logged["eval/loss"],
                "params": torch.load(run_dir / "model.pt", map_location="cpu")}
-    config, _ = load_config(argv)
+    config, _ = load_config([str(run_dir / "config.toml")])  # as the run resolved it (the tokenizer's vocabulary)
     return trainer, plain_loop(config)
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig  # noqa: E402
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig  # noqa: E402
 from parallelisms import build_mesh, parallelize, prepare_micro_batch  # noqa: E402
 from tests.dist.train_worker import build_model, global_batches  # noqa: E402
 

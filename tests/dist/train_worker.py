@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nsa_models import Transformer, get_flavor  # noqa: E402
-from nsa_training.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig  # noqa: E402
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig  # noqa: E402
 from nsa_training.trainer import build_model as build_planned_model  # noqa: E402
 from parallelisms import build_mesh, parallelize  # noqa: E402
 
