@@ -3,13 +3,31 @@
 `ModelArgs` is also the `[model]` section of a recipe: every field below is a recipe key (`model.dim`,
 `model.nsa.sel_block_size`, ...). A flavor names a complete set of values; keys a recipe sets explicitly
 override the flavor's.
+
+Most fields say what the model computes, so a resumed run that changes one names another model than its checkpoint's
+and is refused. A field typed `Annotated[T, RESUMABLE]` says only how it computes (a kernel, a chunk size, the
+initialisation the checkpoint replaces): a resume may change it. Unmarked is the default, so a new field is safe until
+someone decides otherwise; `resumable_keys()` collects the marks (the mark sits in the type because `metadata` holds
+the value's bounds, each entry of which the recipe loader checks as one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+
+
+class _Resumable:
+    """The type of RESUMABLE."""
+
+    def __repr__(self) -> str:
+        return "RESUMABLE"
+
+
+# A field's mark, `name: Annotated[T, RESUMABLE] = ...`: a resumed run may change its value (see the module docstring).
+RESUMABLE = _Resumable()
 
 
 @dataclass
@@ -32,24 +50,24 @@ class NSAArgs:
     """Hidden width of the `mlp` phi; 0 means max(head_dim, cmp_block_size * head_dim / 8)."""
     separate_kv: bool = False
     """Give each branch (cmp, slc, win) its own K/V projection, as the paper does; False shares one."""
-    backend: Literal["reference", "triton"] = "reference"
+    backend: Annotated[Literal["reference", "triton"], RESUMABLE] = "reference"
     """Implementation of the attention core: `reference` (vectorised PyTorch, any device) or `triton`."""
-    window_backend: Literal["flex", "sdpa", "flash_attn", "flash_attn_4"] = "flex"
+    window_backend: Annotated[Literal["flex", "sdpa", "flash_attn", "flash_attn_4"], RESUMABLE] = "flex"
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
     window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
     docs/PERFORMANCE.md). Any value but `flex` needs backend `triton` (the reference computes the window itself)."""
-    cmp_backend: Literal["triton", "flash_attn_4"] = "triton"
+    cmp_backend: Annotated[Literal["triton", "flash_attn_4"], RESUMABLE] = "triton"
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
     consecutive queries is packed as heads (`fa4.fa4_compressed_attention`). Measured (H200, the compiled core at
     64 heads of 128, G = 16, one run): 4% faster at 64k, even at 32k, 11% slower at 8k (docs/PERFORMANCE.md)."""
-    float_atomics: bool = False
+    float_atomics: Annotated[bool, RESUMABLE] = False
     """Let the library backwards (window_backend `flash_attn` or `flash_attn_4`, cmp_backend `flash_attn_4`)
     accumulate their gradients with float atomics: faster at 64 heads of 128 (FA4 window, 8k: NSA core 8.16 ->
     7.97 ms fwd+bwd; no gain measured for nsa-125m end to end; docs/PERFORMANCE.md), but no longer
     bitwise repeatable, so the same seed and recipe may give other losses. Off: every NSA backward kernel is
     deterministic. The Triton kernels have no atomic variant (measured slower, docs/KERNELS.md)."""
-    query_chunk: int = field(default=512, metadata={"gt": 0})
+    query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
     window_only: bool = False
     """Ablation: the attention is the sliding-window branch alone (its gate times its output); the compressed and
@@ -91,7 +109,7 @@ TRITON_MAX_BATCH_HEADS = 65535
 class ModelArgs:
     """A LLaMA-style decoder whose attention is NSA (or dense causal attention for the baselines)."""
 
-    flavor: str = "debug"
+    flavor: Annotated[str, RESUMABLE] = "debug"
     """Named preset (see FLAVORS) that supplies every value a recipe does not set."""
     attention: Literal["nsa", "dense"] = "nsa"
     """`nsa`: Native Sparse Attention; `dense`: full causal attention through SDPA (the baseline twin)."""
@@ -117,7 +135,7 @@ class ModelArgs:
     """RoPE base frequency."""
     max_seq_len: int = field(default=256, metadata={"gt": 0})
     """Longest sequence the RoPE table covers; training seq_len must not exceed it."""
-    init_std: float = field(default=0.02, metadata={"gt": 0})
+    init_std: Annotated[float, RESUMABLE] = field(default=0.02, metadata={"gt": 0})
     """Standard deviation of the normal initialisation of linear and embedding weights."""
     tie_embeddings: bool = False
     """Share the token embedding and the output head."""
@@ -197,3 +215,19 @@ def get_flavor(name: str) -> ModelArgs:
         raise KeyError(f"unknown model flavor {name!r}; valid: {', '.join(FLAVORS)}")
     args = FLAVORS[name]
     return dataclasses.replace(args, nsa=dataclasses.replace(args.nsa))
+
+
+@functools.cache
+def resumable_keys(cls: type = ModelArgs) -> frozenset[str]:
+    """The dotted keys (`flavor`, `nsa.backend`, ...) of `cls`'s fields marked RESUMABLE, its nested sections' too:
+    the model keys a resumed run may change (the recipe key is `model.` + the key)."""
+    hints, keys = get_type_hints(cls, include_extras=True), set()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        marks = hint.__metadata__ if get_origin(hint) is Annotated else ()
+        value_type = get_args(hint)[0] if marks else hint
+        if dataclasses.is_dataclass(value_type):
+            keys |= {f"{f.name}.{key}" for key in resumable_keys(value_type)}
+        elif any(mark is RESUMABLE for mark in marks):
+            keys.add(f.name)
+    return frozenset(keys)

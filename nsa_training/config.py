@@ -70,6 +70,9 @@ class DataConfig:
     """Share of documents held out for evaluation when `eval_split` is empty (0 < x < 1)."""
     text_field: str = "text"
     """Column that holds the document text (json/jsonl/parquet)."""
+    txt_document: Literal["line", "paragraph", "file"] = "line"
+    """What one document of a .txt source is: a line (blank lines hold none), a paragraph (text between blank
+    lines, its line breaks kept), or a whole file (a folder of books). Only .txt sources read it."""
     tokenizer: str = "byte"
     """`byte` (UTF-8 bytes + EOS, no download) or the path of a HuggingFace `tokenizers` JSON file."""
     seq_len: int = field(default=256, metadata={"gt": 0})

@@ -2,7 +2,8 @@
 
 `data.source` picks them:
 - `embedded`: the Python-docs corpus shipped in `nsa_training/corpus/` (built by `scripts/build_corpus.py`);
-- a local .jsonl/.json/.parquet/.txt file, or a folder of them (all, sorted; .txt gives one document per line);
+- a local .jsonl/.json/.parquet/.txt file, or a folder of them (all, sorted; a .txt document is a line, a paragraph
+  or a file: `data.txt_document`);
 - `hf://NAME`: a hub dataset, streamed.
 
 Evaluation reads `data.eval_split`, or else every round(1/eval_fraction)-th document (never trained on). Each
@@ -30,6 +31,7 @@ from nsa_training.loaders import Split
 
 EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # extension -> datasets builder
+TXT_SAMPLE_BY = {"line": "line", "paragraph": "paragraph", "file": "document"}  # data.txt_document -> datasets'
 HUB_PROBE_TIMEOUT_S = 10.0  # one request to the hub endpoint before streaming: its retries would take ~25 s to fail
 
 
@@ -150,6 +152,7 @@ def _text(document: dict, cfg: DataConfig) -> str | None:
 def _load_documents(cfg: DataConfig, split: Split, split_name: str) -> datasets.Dataset | datasets.IterableDataset:
     """Every document of split `split_name` (which `split` reads), checked for the text column."""
     if cfg.source.startswith("hf://"):
+        _check_txt_document(cfg, "")
         _check_hub_reachable()
         documents = datasets.load_dataset(cfg.source.removeprefix("hf://"), cfg.hf_config or None, split=split_name,
                                           streaming=True)
@@ -159,9 +162,20 @@ def _load_documents(cfg: DataConfig, split: Split, split_name: str) -> datasets.
             raise ConfigError(f"{key}: a local source has the single split `train`, not {split_name!r}; "
                               "leave data.split = 'train' and data.eval_split empty (eval_fraction holds out data)")
         builder, files = ("json", [str(EMBEDDED_CORPUS)]) if cfg.source == "embedded" else _local_files(cfg.source)
-        documents = datasets.load_dataset(builder, data_files=files, split="train")
+        _check_txt_document(cfg, builder)
+        # datasets' text builder cuts the documents: by line, by blank-line-separated paragraph, or a file each.
+        text = {"sample_by": TXT_SAMPLE_BY[cfg.txt_document]} if builder == "text" else {}
+        documents = datasets.load_dataset(builder, data_files=files, split="train", **text)
     _check_text_field(documents, cfg)
     return documents
+
+
+def _check_txt_document(cfg: DataConfig, builder: str) -> None:
+    """data.txt_document other than the default names .txt files: refuse it for a source of another kind (`builder`
+    its datasets builder; "" for the hub), which would ignore it."""
+    if cfg.txt_document != "line" and builder != "text":
+        raise ConfigError(f"data.txt_document = {cfg.txt_document!r} cuts .txt files, but data.source = "
+                          f"{cfg.source!r} holds none: set data.txt_document = 'line' (the default)")
 
 
 def _check_hub_reachable() -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nsa_models.args import ModelArgs
+from nsa_models.args import ModelArgs, resumable_keys
 from nsa_models.flops import flops_per_token
 from nsa_models.model import Transformer, document_alignment
 from nsa_models.nsa import check_backend
@@ -66,10 +66,6 @@ from parallelisms import (
 )
 
 VOCAB_MULTIPLE = 64  # model.vocab_size = 0 rounds the tokenizer's vocabulary up to this: tensor-core friendly GEMMs
-# model.* keys that choose how the model computes, not what: a resumed run may change them. Any other model key
-# changed on resume names another model than the checkpoint's, and the start is refused.
-RESUMABLE_MODEL_KEYS = {"model.flavor", "model.init_std", "model.nsa.backend", "model.nsa.window_backend",
-                        "model.nsa.cmp_backend", "model.nsa.float_atomics", "model.nsa.query_chunk"}
 
 
 def check_log_rank(config: Config, world_size: int) -> None:
@@ -348,8 +344,11 @@ class Trainer:
         changed = [key for key, value in current.items() if key in previous and previous[key] != value
                    and not key.startswith(("job.", "checkpoint."))]
         if not self.config.checkpoint.load_path:  # the same run: its model is the checkpoint's
+            # A model key marked RESUMABLE (nsa_models.args) chooses how the model computes, not what: it may change.
+            # Any other changed model key names another model than the checkpoint's, and the start is refused.
+            resumable = {f"model.{key}" for key in resumable_keys()}
             for key in changed:
-                if key.startswith("model.") and key not in RESUMABLE_MODEL_KEYS:
+                if key.startswith("model.") and key not in resumable:
                     raise ConfigError(f"{key} = {current[key]!r} differs from the {previous[key]!r} this run was "
                                       f"trained with ({saved}): set it back to resume, or start a new job.run_dir")
         return [f"{key} {previous[key]!r} -> {current[key]!r}" for key in changed]

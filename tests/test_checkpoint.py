@@ -1,5 +1,5 @@
 """nsa_training.checkpoint: exact resume, atomic saves, pruning, resume selection, weight export, a full or
-unwritable disk, and damaged checkpoints.
+unwritable disk, damaged checkpoints, and the model keys a resume may change.
 
 Single-process tests run in a 1-process gloo group. This file is also the worker of the subprocess tests:
 `python tests/test_checkpoint.py kill TMP`, `... full_disk_train TMP` and `torchrun ... tests/test_checkpoint.py
@@ -9,6 +9,7 @@ fsdp TMP`.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import errno
 import io
 import os
@@ -18,12 +19,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from nsa_models.args import RESUMABLE, ModelArgs, NSAArgs, resumable_keys
 from nsa_training.checkpoint import (
     MANIFEST,
     CheckpointManager,
@@ -33,8 +36,9 @@ from nsa_training.checkpoint import (
     RankLocalState,
     RNGState,
 )
-from nsa_training.config import CheckpointConfig, ConfigError
+from nsa_training.config import CheckpointConfig, Config, ConfigError, config_to_dict, config_to_toml, load_config
 from nsa_training.exit_codes import WRITE_FAILED_EXIT_CODE
+from nsa_training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]  # on PYTHONPATH of the subprocess workers, which run this file
 
@@ -432,6 +436,55 @@ def test_resume_refuses_when_no_checkpoint_verifies(pg, tmp_path, capfd):
     with pytest.raises(ConfigError, match=r"^checkpoint\.resume: no checkpoint in \S+ verifies"):
         mgr.resume_path()
     assert capfd.readouterr().err.count("warning: checkpoint ") == 3
+
+
+# The model keys a resume may change are marked where they are declared (nsa_models.args), not listed in the trainer.
+
+# The trainer's hand-kept list before the marks replaced it: the migration keeps every key and adds none.
+FORMER_RESUMABLE_MODEL_KEYS = {"model.flavor", "model.init_std", "model.nsa.backend", "model.nsa.window_backend",
+                               "model.nsa.cmp_backend", "model.nsa.float_atomics", "model.nsa.query_chunk"}
+
+
+@dataclasses.dataclass
+class GrownNSAArgs(NSAArgs):
+    """NSAArgs as it would be with two keys more: one declared as any new key is, one marked."""
+
+    new_hyper_parameter: int = 1
+    new_kernel_choice: Annotated[str, RESUMABLE] = "a"
+
+
+@dataclasses.dataclass
+class GrownModelArgs(ModelArgs):
+    new_width: int = 1
+    nsa: GrownNSAArgs = dataclasses.field(default_factory=GrownNSAArgs)
+
+
+def test_resumable_model_keys_are_the_fields_marked_where_declared():
+    keys = resumable_keys()
+    assert {f"model.{key}" for key in keys} == FORMER_RESUMABLE_MODEL_KEYS
+    assert {f"model.{key}" for key in keys} <= set(config_to_dict(Config()))  # each one a real recipe key
+    # A new field is not resumable until marked, in a nested section as at the top.
+    assert resumable_keys(GrownModelArgs) == keys | {"nsa.new_kernel_choice"}
+    assert resumable_keys(GrownNSAArgs) == resumable_keys(NSAArgs) | {"new_kernel_choice"}
+
+
+@pytest.mark.parametrize("override, refused", [
+    (["--model.nsa.query_chunk", "64", "--model.init_std", "0.01"], None),
+    (["--model.nsa.query_chunk", "64", "--model.n_layers", "3"], "model.n_layers = 3 differs from the 2"),
+    (["--model.nsa.n_selected", "5"], "model.nsa.n_selected = 5 differs from the 4"),
+])
+def test_a_resume_may_change_the_resumable_model_keys_and_no_other(tmp_path, override, refused):
+    saved = tmp_path / "config.toml"
+    saved.write_text(config_to_toml(load_config([str(REPO / "recipes" / "debug.toml")])[0]))
+    resumed = Trainer.__new__(Trainer)  # _changed_settings needs the config alone
+    resumed.config = load_config([str(REPO / "recipes" / "debug.toml"), *override])[0]
+    checkpoint = tmp_path / "checkpoints" / "step-00000003"
+    if refused:
+        with pytest.raises(ConfigError, match=f"^{re.escape(refused)} this run was trained with"):
+            resumed._changed_settings(checkpoint)
+    else:
+        assert resumed._changed_settings(checkpoint) == ["model.init_std 0.02 -> 0.01",
+                                                         "model.nsa.query_chunk 256 -> 64"]
 
 
 def _worker_env() -> dict[str, str]:

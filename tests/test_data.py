@@ -407,3 +407,29 @@ def test_bad_eval_setting_names_its_key(jsonl):
         make_loader(jsonl, part="eval", eval_split="validation")
     with pytest.raises(ConfigError, match=r"^data\.source: .* 2 documents for 4 data-parallel ranks"):
         make_loader(write_jsonl(jsonl.parent / "two.jsonl", DOCS[:8]), part="eval", rank=0, world=4)
+
+
+@pytest.mark.parametrize("unit", ["line", "paragraph", "file"])
+def test_a_txt_document_is_a_line_a_paragraph_or_a_file(tmp_path, unit):
+    """data.txt_document: a folder of two .txt files, each of two paragraphs of two lines, read as 8 lines, 4
+    paragraphs (line breaks kept) or 2 files; every document once, train and eval together."""
+    books = {"a.txt": "Call me Ishmael.\nSome years ago.\n\nNever mind how long.\nPrecisely.\n",
+             "b.txt": "It was the best of times.\nIt was the worst.\n\nIt was the age\nof wisdom.\n"}
+    (tmp_path / "books").mkdir()
+    for name, text in books.items():
+        (tmp_path / "books" / name).write_text(text, encoding="utf-8")
+    texts = list(books.values())
+    want = {"line": [line for text in texts for line in text.split("\n") if line],
+            "paragraph": [p.strip("\n") for text in texts for p in text.split("\n\n")],
+            "file": [text.rstrip("\n") for text in texts]}[unit]
+    got = []
+    for part in ("train", "eval"):
+        loader = make_loader(tmp_path / "books", part=part, txt_document=unit, eval_fraction=0.5)
+        got += read_documents(loader, len(want) // 2)
+    assert sorted(doc.rstrip("\n") for doc in got) == sorted(want)
+
+
+def test_txt_document_on_a_source_without_txt_files_is_one_line(jsonl):
+    with pytest.raises(ConfigError, match=r"^data\.txt_document = 'paragraph' cuts \.txt files, but data\.source = "
+                                          r".*docs\.jsonl' holds none: set data\.txt_document = 'line'"):
+        make_loader(jsonl, txt_document="paragraph")
