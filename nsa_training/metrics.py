@@ -14,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 from nsa_models.args import ModelArgs
 from nsa_models.telemetry import Histogram
 from nsa_training.config import MetricsConfig
+from parallelisms.config import ActivationCheckpointConfig
 
 # The tag of each device's peak memory: the console line's `mem` and the sweep's peak_mem_gib read the first present.
 PEAK_MEMORY_TAGS = ("memory/max_allocated_gib", "memory/peak_rss_gib")
@@ -51,26 +52,30 @@ class MemoryEstimate:
 
 
 def estimate_memory(args: ModelArgs, n_params: int, tokens: int, *, shards: int, compute_bytes: int,
-                    ac_mode: str, buffer_bytes: int = 0) -> MemoryEstimate:
+                    ac: ActivationCheckpointConfig, buffer_bytes: int = 0) -> MemoryEstimate:
     """What a training step of `args` (`n_params` parameters, `buffer_bytes` of buffers such as the RoPE table) on
     a micro-batch of `tokens` needs per rank.
 
     Activations: 12 values of width `dim` kept per token per block without activation checkpointing, one (the block
-    input) with `full` plus one block being recomputed, and the logits with their gradient. The NSA `reference`
+    input) per checkpointed block (`full`: all, `every_n`: every N-th) plus one block being recomputed, and the
+    logits with their gradient. `selective_op` counts as none: it keeps the matmul and attention outputs, most of
+    a block's activations (nsa-125m: 16.6 GiB measured against 21.0 without checkpointing). The NSA `reference`
     backend also keeps, per query, the gathered keys and values of its selected blocks and their probabilities
     (nsa-125m: 0.5M values per token per block, which is what takes it past a CPU's memory). Deliberately low, so
     that only runs that cannot fit are refused: measured peaks are higher (nsa-125m, 16 x 2048 tokens, bf16,
-    compiled, triton backend, H200: 20.4 GiB against 15.4 estimated; Korthikanti et al. 2022 count 17 values per
-    GPT block).
+    compiled, triton backend, H200: 21.0 GiB against 15.4 estimated without checkpointing, 10.2 against 9.7 with
+    `full`; `tests/test_first_hour.py` holds the estimates to the measured peaks of docs/PERFORMANCE.md; Korthikanti
+    et al. 2022 count 17 values per GPT block).
     """
     states = 16 * n_params / shards + buffer_bytes  # fp32 weights, gradients, exp_avg, exp_avg_sq; buffers whole
     per_block = 12 * args.dim
     if args.attention == "nsa" and args.nsa.backend == "reference":
         gathered = args.nsa.n_selected * args.nsa.sel_block_size
         per_block += gathered * (2 * args.n_kv_heads * args.head_dim + args.n_heads)
-    kept = args.dim if ac_mode == "full" else per_block
-    recompute = per_block if ac_mode == "full" else 0
-    per_token = (args.n_layers * kept + recompute + 2 * args.vocab_size) * compute_bytes
+    checkpointed = {"full": args.n_layers, "every_n": args.n_layers // ac.every_n}.get(ac.mode, 0)
+    kept = checkpointed * args.dim + (args.n_layers - checkpointed) * per_block
+    recompute = per_block if checkpointed else 0
+    per_token = (kept + recompute + 2 * args.vocab_size) * compute_bytes
     return MemoryEstimate(states=states, activations=float(per_token * tokens))
 
 

@@ -252,7 +252,7 @@ class Trainer:
         shards = 1 if self.mesh is None or c.parallelism.data_parallel == "ddp" else (
             self.world_size // (c.parallelism.dp_replicate if c.parallelism.data_parallel == "hsdp" else 1))
         need = estimate_memory(c.model, n_params, c.training.micro_batch_size * c.data.seq_len, shards=shards,
-                               compute_bytes=self.compute_dtype.itemsize, ac_mode=c.activation_checkpoint.mode,
+                               compute_bytes=self.compute_dtype.itemsize, ac=c.activation_checkpoint,
                                buffer_bytes=buffer_bytes)
         free, where = available_memory(self.device)
         if free is not None and need.total > free:

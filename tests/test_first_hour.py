@@ -210,3 +210,34 @@ def test_exit_codes_are_declared_in_one_module():
     values = [value for name, value in vars(exit_codes).items() if name.endswith("_EXIT_CODE")]
     assert sorted(values) == [2, 3, 4, 5, 6, 7]
     assert not re.search(r"\b2 if\b|return 2\b", (REPO / "train.py").read_text())
+
+
+# Measured peaks (docs/PERFORMANCE.md, "Compile, activation checkpointing and window"): nsa-125m, 16 x 2048 tokens a
+# micro-batch, bf16, compiled, triton backend, FlexAttention window, one H200.
+MEASURED_PEAK_GIB = {"none": 21.04, "full": 10.23, "selective_op": 16.61}
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "every_n", "selective_op"])
+def test_the_memory_estimate_of_every_ac_mode_stays_below_the_measured_peaks(mode):
+    """The pre-start estimate only refuses runs that cannot fit: at or below each measured peak, within 30% of it;
+    `every_n` (every 2nd block) between `full` and none."""
+    import dataclasses
+
+    from nsa_models.model import Transformer
+    from nsa_training.metrics import estimate_memory
+    from parallelisms.config import ActivationCheckpointConfig
+
+    flavor = get_flavor("nsa-125m")
+    args = dataclasses.replace(flavor, vocab_size=50304, nsa=dataclasses.replace(flavor.nsa, backend="triton"))
+    with torch.device("meta"):
+        model = Transformer(args)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def estimate(mode: str) -> float:
+        return estimate_memory(args, n_params, 16 * 2048, shards=1, compute_bytes=2,
+                               ac=ActivationCheckpointConfig(mode=mode, every_n=2)).total / 2**30
+
+    if mode == "every_n":
+        assert estimate("full") < estimate("every_n") < estimate("none")
+    else:
+        assert 0.7 * MEASURED_PEAK_GIB[mode] <= estimate(mode) <= MEASURED_PEAK_GIB[mode]
