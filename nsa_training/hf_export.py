@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,8 +20,9 @@ import torch.distributed as dist
 
 from nsa_models.args import ModelArgs
 from nsa_models.model import Transformer
-from nsa_training.checkpoint import CheckpointManager, ModelState
-from nsa_training.config import Config, ConfigError, load_config, validate
+from nsa_training.checkpoint import ModelState
+from nsa_training.config import ConfigError, load_config, validate
+from nsa_training.inference import load_run
 from nsa_training.tokenizer import build_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,46 +50,6 @@ def portable(args: ModelArgs) -> ModelArgs:
     """`args` as an export carries them: NSA on the `reference` backend, which runs anywhere, without the triton
     backend's kernel choices (the loading machine may have none of them). The model is the same."""
     return dataclasses.replace(args, nsa=args.nsa.on_reference())
-
-
-def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[Transformer, Config, Path]:
-    """The run's model on the CPU with the weights of checkpoint `step` (None: the newest that verifies), its config
-    and the checkpoint's path; ConfigError for a run directory without such weights."""
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"RUN_DIR {str(run_dir)!r} has no config.toml: give the job.run_dir of a training run")
-    config, _ = load_config([str(run_dir / "config.toml")])
-    config.checkpoint.resume = True
-    # --step N goes through the manager's load_path, which verifies the checkpoint like any resume.
-    config.checkpoint.load_path = "" if step is None else str(run_dir / "checkpoints" / f"step-{step:08d}")
-    if step is not None and not Path(config.checkpoint.load_path).is_dir():
-        raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of that step")
-    with _one_process_group():
-        checkpoints = CheckpointManager(config.checkpoint, run_dir)
-        path = checkpoints.resume_path()
-        if path is None:
-            raise ConfigError(f"RUN_DIR {str(run_dir)!r} has no complete checkpoint (no weights to export): train "
-                              "it longer than checkpoint.interval steps (or until it ends)")
-        config.model = portable(config.model)
-        with torch.device("meta"):  # every parameter comes from the checkpoint: allocate, don't initialise
-            model = Transformer(config.model)
-        model.to_empty(device="cpu")
-        model.init_weights()  # the RoPE buffer (derived, not saved); the weights are overwritten below
-        checkpoints.load(path, {"model": ModelState(model)})
-    return model.eval(), config, path
-
-
-@contextmanager
-def _one_process_group() -> Iterator[None]:
-    """A one-process gloo group for the checkpoint manager (its methods are collective), unless one exists; removed
-    again on exit, so that a later Trainer (or another call) can make its own."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def export_model(model: Transformer, tokenizer: str, out: Path, dtype: torch.dtype = torch.float32) -> None:
@@ -148,7 +107,7 @@ def _byte_tokenizer():
 def export_run(run_dir: Path, out: Path, dtype: torch.dtype = torch.float32, step: int | None = None) -> Path:
     """Export checkpoint `step` of the run (None: the newest that verifies) into `out`; returns the checkpoint."""
     require_hf()
-    model, config, path = load_checkpoint(run_dir, step)
+    model, _, config, path = load_run(run_dir, torch.device("cpu"), step)  # on the reference backend
     export_model(model, config.data.tokenizer, out, dtype)
     return path
 

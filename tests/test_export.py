@@ -22,6 +22,7 @@ from nsa_models.args import get_flavor
 from nsa_models.model import Transformer
 from nsa_training import hf_export
 from nsa_training.config import load_config
+from nsa_training.inference import load_run
 from nsa_training.tokenizer import ByteTokenizer, build_tokenizer
 from nsa_training.trainer import Trainer
 from tests.helpers import env
@@ -73,7 +74,7 @@ def export_dir(run_dir) -> Path:
 
 
 def test_trained_debug_logits_equal_the_repo_model(run_dir, export_dir):
-    model, _, path = hf_export.load_checkpoint(run_dir)
+    model, _, _, path = load_run(run_dir, torch.device("cpu"))
     assert path.name == "step-00000003"
     tokens = torch.randint(0, 257, (2, 160), generator=torch.Generator().manual_seed(0))  # > window, many blocks
     with torch.no_grad():
@@ -95,7 +96,7 @@ def test_nsa_125m_at_init_logits_equal_the_repo_model(tmp_path):
 
 
 def test_greedy_generate_equals_generate_py(run_dir, export_dir):
-    model, _, _ = hf_export.load_checkpoint(run_dir)
+    model, *_ = load_run(run_dir, torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
     prompt = "def main(\n    é = '€'"
     ids = tokenizer(prompt)["input_ids"]
@@ -153,7 +154,7 @@ def test_bf16_export(run_dir, export_dir, tmp_path):
 
 def test_step_picks_the_checkpoint(run_dir, export_dir, tmp_path):
     assert export_script.main([str(run_dir), "--out", str(tmp_path), "--step", "2"]) == 0
-    model, _, path = hf_export.load_checkpoint(run_dir, step=2)
+    model, _, _, path = load_run(run_dir, torch.device("cpu"), step=2)
     assert path.name == "step-00000002"
     weights, newest = load_file(str(tmp_path / hf_export.WEIGHTS)), load_file(str(export_dir / hf_export.WEIGHTS))
     for name, tensor in model.state_dict().items():
