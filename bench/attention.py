@@ -45,10 +45,18 @@ from triton.runtime.jit import JITFunction
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.flops import mean_keys_per_query
-from nsa_models.nsa import check_backend, triton_compressed, triton_selected, window_mask
+from nsa_models.nsa import (
+    check_backend,
+    triton_compressed,
+    triton_selected,
+    triton_selected_window,
+    triton_selection,
+    window_mask,
+)
 from nsa_models.nsa.triton_backend import compressed_attention, nsa_triton, window_attention
-from nsa_models.nsa.triton_compressed import select_topn
 from nsa_models.nsa.triton_selected import selected_attention
+from nsa_models.nsa.triton_selected_window import selected_window_attention
+from nsa_models.nsa.triton_selection import select_topn
 
 # backend = "triton" also makes `window_mask` build the FlexAttention mask outside the compiled core, as the model
 # does; with the default ("reference") it returned None and the core rebuilt the mask on every call (O(T^2)).
@@ -198,9 +206,15 @@ def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | st
         lse = compressed_attention(q, k_cmp, v_cmp, NSA, scale)[1]
     rows.append(("selection: scores + top-n (triton)", *time_ms(
         lambda: select_topn(q, k_cmp, lse, *cmp, NSA.sel_block_size, NSA.n_selected, scale)[0], [], False)))
-    rows += selected_rows(q, k, v)
     lse = None  # free it before the next rows
-    rows.append((f"window 512 ({NSA.window_backend})", *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
+    if NSA.window_backend == "fused_with_selected":
+        idx = random_block_indices(q.shape[0], k.shape[2], q.shape[1], NSA.n_selected, NSA.sel_block_size, q.device)
+        rows.append(("selected + window 512 (fused), both outputs summed", *time_ms(
+            lambda: sum(selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size)), [q, k, v])))
+    else:
+        rows += selected_rows(q, k, v)
+        rows.append((f"window 512 ({NSA.window_backend})",
+                     *time_ms(lambda: window_attention(q, k, v, NSA), [q, k, v])))
     rows.append(("NSA triton backend, eager", *time_ms(lambda: run_nsa(*inputs), inputs)))
     return rows
 
@@ -293,7 +307,7 @@ def kernel_resources() -> str:
           "registers": triton.runtime.driver.active.utils.get_device_properties(device)["max_num_regs"]}
     lines = ["| Triton kernel | warps | stages | registers | spills | shared KiB | programs / SM (limit) |",
              "|---|---|---|---|---|---|---|"]
-    for module in (triton_compressed, triton_selected):
+    for module in (triton_compressed, triton_selection, triton_selected, triton_selected_window):
         for name, fn in vars(module).items():
             if not isinstance(fn, JITFunction):
                 continue
@@ -334,7 +348,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
-    parser.add_argument("--window-backend", choices=["flex", "flash_attn_4"], default="flex",
+    parser.add_argument("--window-backend", choices=["flex", "flash_attn_4", "fused_with_selected"], default="flex",
                         help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
     parser.add_argument("--cmp-backend", choices=["triton", "flash_attn_4"], default="triton",
                         help="the NSA core's compressed-attention kernels (model.nsa.cmp_backend)")

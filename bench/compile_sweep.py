@@ -9,7 +9,7 @@
 Every combination of the --grid overrides (each --grid one axis) runs train.py in a fresh process with its own
 inductor cache (unless --keep-inductor-cache); --devices runs cells concurrently, one per GPU set. What a sweep
 writes under OUT (sweep.md, sweep.csv, each cell's log and tensorboard hparams) and its columns:
-`nsa_training.sweep`, which bench/e2e.py and bench/scaling.py run too.
+`benchmarking.sweep`, which bench/e2e.py and bench/scaling.py run too.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from benchmarking.sweep import Overrides, add_sweep_arguments, parse_override, sweep_from_args
 from nsa_training.config import ConfigError
-from nsa_training.sweep import Overrides, add_sweep_arguments, parse_override, sweep_from_args
 
 
 def parse_grid(text: str) -> list[Overrides]:

@@ -3,10 +3,10 @@
     python bench/e2e.py                                    # nsa-125m vs dense-125m at T = 2048, 8192, 32768
     python bench/e2e.py --seq-lens 2048 8192 --steps 30 --set training.global_batch_tokens=262144
 
-A thin wrapper over the sweep of bench/compile_sweep.py (`nsa_training.sweep`): the grid is flavor x T, where each T
+A thin wrapper over the sweep of bench/compile_sweep.py (`benchmarking.sweep`): the grid is flavor x T, where each T
 also sets model.max_seq_len = T and training.micro_batch_size = --tokens-per-micro-batch / T, so every cell does the
 same work per step in tokens and only attention's cost changes with T. Data is `synthetic`
-(`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
+(`benchmarking.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
 otherwise (throughput does not depend on the text). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio
 of the first flavor to the second per T, on top of the sweep's own table and files.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from benchmarking.sweep import SYNTHETIC_DATA, add_sweep_arguments, sweep_from_args
 from nsa_training.config import ConfigError
-from nsa_training.sweep import SYNTHETIC_DATA, add_sweep_arguments, sweep_from_args
 
 
 def seq_len_axis(seq_lens: list[int], tokens_per_micro_batch: int) -> list[dict[str, str]]:

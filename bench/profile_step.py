@@ -24,7 +24,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from nsa_training.sweep import SYNTHETIC_DATA
+from benchmarking.sweep import SYNTHETIC_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = [  # (family, regex on the kernel name), first match wins

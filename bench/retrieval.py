@@ -3,7 +3,7 @@
     python bench/retrieval.py --devices 0 1 2                     # three runs at once, one GPU each
     python bench/retrieval.py --seeds 1 --steps 600 --set training.eval_interval=300  # shorter
 
-Trains `--recipe` (recipes/retrieval_nsa.toml) through the sweep machinery (`nsa_training.sweep`, as bench/e2e.py
+Trains `--recipe` (recipes/retrieval_nsa.toml) through the sweep machinery (`benchmarking.sweep`, as bench/e2e.py
 does) as three arms: as it is (NSA); with model.nsa.window_only = true (the window branch alone: it cannot see a
 needle beyond the window); and with model.attention = dense (full causal attention: the ceiling), each with
 --seeds training seeds. Then scores each run's final checkpoint as scripts/eval_passkey.py does (held-out
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarking.sweep import add_sweep_arguments, machine, sweep_from_args
 from nsa_training.config import ConfigError, load_config
 from nsa_training.inference import score_passkey
 from nsa_training.passkey import PasskeyScore
-from nsa_training.sweep import add_sweep_arguments, machine, sweep_from_args
 
 # The arms, each the one set of overrides that makes it: NSA as the recipe has it, the window branch alone, dense.
 ARMS = {

@@ -8,7 +8,7 @@ Each GPU count N is one bench/compile_sweep.py sweep over the plans (parallelism
 launched as `PYTHON -m torch.distributed.run --standalone --nproc-per-node N train.py RECIPE ...` in a fresh process
 group (hsdp cells also set parallelism.dp_replicate = --dp-replicate). Every rank keeps the recipe's micro-batch (or
 --set's) and --grad-accum micro-batches per step, so training.global_batch_tokens = micro_batch_size * seq_len * N *
-grad_accum grows with N. Data is synthetic (`nsa_training.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no
+grad_accum grows with N. Data is synthetic (`benchmarking.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no
 tokenizer file) unless --set data.source=... says otherwise. With one process train.py ignores the plan, so 1 GPU is
 one cell (run with the first plan) whose row every plan shares: the unwrapped model, the baseline each plan's
 communication and sharding overhead is measured against. With compile.mode = auto that cell uses CUDA graphs, which
@@ -46,8 +46,7 @@ import time
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from nsa_training.config import ConfigError, load_config
-from nsa_training.sweep import (
+from benchmarking.sweep import (
     REPO,
     SYNTHETIC_DATA,
     add_sweep_arguments,
@@ -56,6 +55,7 @@ from nsa_training.sweep import (
     save_table,
     sweep_from_args,
 )
+from nsa_training.config import ConfigError, load_config
 from parallelisms import resolve_compile_mode
 from parallelisms.config import ParallelismConfig
 

@@ -52,10 +52,13 @@ class NSAArgs:
     """Give each branch (cmp, slc, win) its own K/V projection, as the paper does; False shares one."""
     backend: Annotated[Literal["reference", "triton"], RESUMABLE] = "reference"
     """Implementation of the attention core: `reference` (vectorised PyTorch, any device) or `triton`."""
-    window_backend: Annotated[Literal["flex", "sdpa", "flash_attn", "flash_attn_4"], RESUMABLE] = "flex"
+    window_backend: Annotated[Literal["flex", "sdpa", "flash_attn", "flash_attn_4", "fused_with_selected"],
+                              RESUMABLE] = "flex"
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
-    window_size, or FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; the fastest measured, see
-    docs/PERFORMANCE.md). Any value but `flex` needs backend `triton` (the reference computes the window itself)."""
+    window_size, FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; see docs/PERFORMANCE.md), or
+    `fused_with_selected`: one Triton sweep computes the selected and window branches together (shared K/V only, and
+    sequences of at most MAX_FUSED_BLOCKS selection blocks: its work grows as T^2; docs/KERNELS.md). Any value but
+    `flex` needs backend `triton` (the reference computes the window itself)."""
     cmp_backend: Annotated[Literal["triton", "flash_attn_4"], RESUMABLE] = "triton"
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
@@ -103,6 +106,9 @@ BUILT_IN_BACKENDS = {"window_backend": ("flex", "sdpa"), "cmp_backend": ("triton
 # The triton backend's kernels run one row of programs per (sequence, KV head) of a micro-batch, in the second or
 # third dimension of the CUDA grid, which holds at most 65,535 (`training.micro_batch_size` x `n_kv_heads` at most).
 TRITON_MAX_BATCH_HEADS = 65535
+# Selection blocks a sequence may have under window_backend = "fused_with_selected": its sweep walks every block of
+# each query's causal prefix (work ~ T^2, where the separate kernels' grows as T n l'); one int64 bitmask a query.
+MAX_FUSED_BLOCKS = 64
 
 
 @dataclass
@@ -167,6 +173,14 @@ class ModelArgs:
                 (a.window_backend == "flex" or a.backend == "triton", "nsa.window_backend",
                  f"= {a.window_backend!r} needs backend = 'triton' (the reference computes every branch itself): "
                  "set model.nsa.backend = 'triton' (a CUDA GPU), or leave window_backend at 'flex'"),
+                (a.window_backend != "fused_with_selected" or not a.separate_kv, "nsa.window_backend",
+                 "= 'fused_with_selected' computes the window with the selected branch's keys and values: it needs "
+                 "model.nsa.separate_kv = false, or another window_backend"),
+                (a.window_backend != "fused_with_selected" or -(-self.max_seq_len // a.sel_block_size)
+                 <= MAX_FUSED_BLOCKS, "nsa.window_backend",
+                 f"= 'fused_with_selected' runs sequences of at most {MAX_FUSED_BLOCKS} selection blocks "
+                 f"({MAX_FUSED_BLOCKS * a.sel_block_size} tokens; its work grows as T^2), but model.max_seq_len = "
+                 f"{self.max_seq_len}: lower model.max_seq_len, or set window_backend = 'flex'"),
                 (a.cmp_backend == "triton" or a.backend == "triton", "nsa.cmp_backend",
                  f"= {a.cmp_backend!r} needs backend = 'triton' (the reference computes every branch itself): "
                  "set model.nsa.backend = 'triton' (a CUDA GPU), or leave cmp_backend at 'triton'"),

@@ -170,6 +170,31 @@ class DenseAttention(nn.Module):
         normal_(self.wo.weight, std=out_std)
 
 
+class SequenceKV(nn.Module):
+    """The keys and values [B, T, heads, D] that a layer's queries attend to: in the plain model the layer's own
+    (identity). A parameter-free module, so that a plan can swap it from outside: context parallelism all-gathers
+    the shards of the sequence here (parallelisms/context_parallel.py)."""
+
+    def forward(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
+
+
+class NSACore(nn.Module):
+    """`nsa_attention` as a parameter-free module (same tensors in and out), so that a plan can swap it from
+    outside: context parallelism gives the queries of a shard their positions in the gathered sequence."""
+
+    def __init__(self, args: NSAArgs):
+        super().__init__()
+        self.nsa = args
+
+    def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
+                v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`nsa_attention`'s outputs for its inputs, with this layer's `NSAArgs`."""
+        return nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa, window_mask=window_mask,
+                             doc_start=doc_start)
+
+
 class NSAAttention(DenseAttention):
     """Native Sparse Attention: compressed + selected + sliding-window branches mixed by sigmoid gates.
 
@@ -183,6 +208,12 @@ class NSAAttention(DenseAttention):
         self.compress_k = Compression(args.nsa, args.head_dim)
         self.compress_v = Compression(args.nsa, args.head_dim)
         self.gate = nn.Linear(args.dim, 3 * args.n_heads)
+        # Two parameter-free seams instead of one: the whole sequence's keys must exist before compression (its
+        # blocks of length l and stride d straddle any split of the sequence), and the queries' positions matter
+        # only to the core. A single module spanning both would own the compression MLPs and so rename their
+        # state_dict keys; these two add none.
+        self.kv = SequenceKV()
+        self.core = NSACore(args.nsa)
 
     def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | None = None,
                 doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -191,15 +222,16 @@ class NSAAttention(DenseAttention):
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
-        k = apply_rope(self.wk(x).view(B, T, self.kv_sets * H, D), rope).split(H, dim=2)
-        v = self.wv(x).view(B, T, self.kv_sets * H, D).split(H, dim=2)
+        k, v = self.kv(apply_rope(self.wk(x).view(B, T, self.kv_sets * H, D), rope),
+                       self.wv(x).view(B, T, self.kv_sets * H, D))
+        k, v = k.split(H, dim=2), v.split(H, dim=2)
         cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
         k_cmp, v_cmp = self.compress_k(k[cmp]), self.compress_v(v[cmp])
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
         if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
             gates = F.pad(gates[..., 2:], (2, 0))
-        out, block_indices, cmp_entropy = nsa_attention(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
-                                                        self.nsa, window_mask=mask, doc_start=doc_start)
+        out, block_indices, cmp_entropy = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
+                                                    window_mask=mask, doc_start=doc_start)
         return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa, doc_start)
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -290,16 +322,21 @@ class Transformer(nn.Module):
         if not self.args.tie_embeddings:
             normal_(self.output.weight, std=self.args.dim ** -0.5)
 
-    def forward(self, tokens: Tensor, doc_start: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, doc_start: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`.
 
         doc_start: int32 [B, T], the position of each token's document's first token (packed documents,
         `data.document_mask`): each document then gets the outputs it would get alone. None: one sequence per row.
+        positions: int64 [T], each token's position in its sequence, when `tokens` hold a part of it (context
+        parallelism's shard, whose plan passes them); None: 0 .. T-1.
         """
         h = self.tok_embeddings(tokens)
         T = tokens.shape[1]
-        # RoPE positions restart at each document: rows t - doc_start of the table, a gather (no data-dependent shape).
-        rope = self.rope if doc_start is None else self.rope[torch.arange(T, device=tokens.device) - doc_start]
+        if positions is None and doc_start is None:
+            rope = self.rope
+        else:  # rows of the table, a gather (no data-dependent shape); positions restart at each document
+            t = torch.arange(T, device=tokens.device) if positions is None else positions
+            rope = self.rope[t if doc_start is None else t - doc_start]
         # Masks are built here, outside the (possibly checkpointed) blocks, and shared by all of them.
         if self.args.attention == "nsa":
             mask = window_mask(T, self.args.nsa, tokens.device, doc_start=doc_start)

@@ -25,7 +25,8 @@ from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from nsa_models.args import FLAVORS, TRITON_MAX_BATCH_HEADS, ModelArgs, get_flavor
-from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig
+from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig, PlanError
+from parallelisms.context_parallel import check_context_parallel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -89,9 +90,11 @@ class TrainingConfig:
     steps: int = field(default=300, metadata={"gt": 0})
     """Optimizer steps to train for (the run's end, also when resuming)."""
     global_batch_tokens: int = field(default=8192, metadata={"gt": 0})
-    """Tokens per optimizer step over all data-parallel ranks; gradient accumulation makes up the rest."""
+    """Tokens per optimizer step over all data-parallel ranks (each sequence once: the ranks of a context-parallel
+    group share one); gradient accumulation makes up the rest."""
     micro_batch_size: int = field(default=8, metadata={"gt": 0})
-    """Sequences per rank per forward/backward."""
+    """Sequences per data-parallel rank per forward/backward (with context parallelism each rank of the group holds
+    its part of every one)."""
     max_grad_norm: float = field(default=1.0, metadata={"ge": 0})
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     seed: int = field(default=0, metadata={"ge": 0})
@@ -368,7 +371,16 @@ def _check_combinations(config: Config) -> None:
     if data.document_mask and data.source == "passkey":
         raise ConfigError("data.document_mask = true would cut data.source = 'passkey' rows, each one haystack whose "
                           "needle and question may lie in different documents: set data.document_mask = false")
+    cp = config.parallelism.context_parallel_degree
+    try:
+        check_context_parallel(cp, model, data.seq_len, data.document_mask)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
     passkey = config.passkey
+    if cp > 1 and passkey.enable:
+        raise ConfigError(f"parallelism.context_parallel_degree = {cp} with passkey.enable = true: passkey scoring "
+                          "runs whole sequences of several lengths on every rank, which context parallelism does not "
+                          "shard; set passkey.enable = false or context_parallel_degree = 1")
     if passkey.enable and passkey.min_length > data.seq_len:
         raise ConfigError(f"passkey.min_length = {passkey.min_length} exceeds data.seq_len = {data.seq_len}: "
                           "lower passkey.min_length")

@@ -5,8 +5,9 @@
 Environment, as run.sh documents it: NGPU (processes on this node), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
 LOG_RANK (the ranks whose output is shown).
 
-- Before any process starts, the recipe and the rules that depend on the process count (the data-parallel plan, the
-  global batch's split) are checked: a bad one is one `error:` line and exit status 2 instead of one per rank.
+- Before any process starts, the recipe and the rules that depend on the process count (the data- and
+  context-parallel degrees, the global batch's split over the data-parallel ranks) are checked: a bad one is one
+  `error:` line and exit status 2 instead of one per rank.
 - The exit status is train.py's whichever rank failed, with one `error:` line, that of the failure that caused the
   others, instead of torchrun's traceback, failure table and status 1 (see `explain`).
 - SIGTERM / SIGINT: torchrun forwards them, every rank checkpoints, and the status is 128 + the signal number.
@@ -55,15 +56,14 @@ def main(argv: list[str]) -> int:
 def check_world_size(config: Config, world_size: int) -> None:
     """The plan rules that depend on the process count; the ranks check them again, each for itself."""
     from nsa_training.trainer import check_log_rank, grad_accum_steps
-    from parallelisms import PlanError, check_data_parallel
+    from parallelisms import ParallelDims, PlanError, check_data_parallel
 
     check_log_rank(config, world_size)
-    if world_size > 1:
-        try:
-            check_data_parallel(config.parallelism, config.compile, world_size)
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
-    grad_accum_steps(config, world_size)
+    try:
+        check_data_parallel(config.parallelism, config.compile, world_size)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    grad_accum_steps(config, ParallelDims.from_config(config.parallelism, world_size).dp_size)
 
 
 def launch(torchrun_args: list[str], log_dir: str) -> int:

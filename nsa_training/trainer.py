@@ -63,6 +63,7 @@ from parallelisms import (
     parallelize,
     prepare_micro_batch,
     resolve_compile_mode,
+    shard_sequence,
 )
 
 VOCAB_MULTIPLE = 64  # model.vocab_size = 0 rounds the tokenizer's vocabulary up to this: tensor-core friendly GEMMs
@@ -195,12 +196,13 @@ class Trainer:
                                     device_id=self.device if self.device.type == "cuda" else None)
         else:  # plain `python train.py`: a one-process group, so the same code paths run
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        self.mesh = build_mesh(config.parallelism, self.world_size, self.device.type)
+        # The ranks and sizes of every part of the run (data, gradient accumulation, FSDP / DDP, CP) come from here.
+        self.parallel_dims = build_mesh(config.parallelism, self.world_size, self.device.type)
         self._set_collective_timeout(config.debug.init_timeout_s)  # the mesh's own groups got torch's default
 
     def _set_collective_timeout(self, seconds: float) -> None:
-        """Timeout of every later collective, in the default group and the mesh's groups (FSDP's, HSDP's)."""
-        groups = {dist.group.WORLD, *(self.mesh.get_all_groups() if self.mesh is not None else ())}
+        """Timeout of every later collective, in the default group and the mesh's groups (FSDP's, HSDP's, CP's)."""
+        groups = {dist.group.WORLD, *self.parallel_dims.groups()}
         for group in groups:
             group.set_timeout(timedelta(seconds=seconds))  # every backend of the group: NCCL and gloo
 
@@ -209,7 +211,8 @@ class Trainer:
     def _build_data(self) -> None:
         """Train and eval loaders, the gradient accumulation, and the model's vocabulary from the tokenizer's."""
         cfg, config = self.config.training, self.config
-        dp_rank, dp_size = self.rank, self.world_size  # every parallelism here is data parallel
+        # The ranks of one CP group read the same batch (each then keeps its part of the sequence: _next_batch).
+        dp_rank, dp_size = self.parallel_dims.dp_rank, self.parallel_dims.dp_size
         self.grad_accum = grad_accum_steps(config, dp_size)
         loader_args = dict(batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, seed=cfg.seed,
                            doc_align=document_alignment(config.model))
@@ -249,11 +252,12 @@ class Trainer:
                     + more_blocks * sum(p.numel() for p in block.parameters()))
         buffer_bytes = (sum(b.numel() * b.element_size() for b in one_block.buffers())
                         + more_blocks * sum(b.numel() * b.element_size() for b in block.buffers()))
-        shards = 1 if self.mesh is None or c.parallelism.data_parallel == "ddp" else (
-            self.world_size // (c.parallelism.dp_replicate if c.parallelism.data_parallel == "hsdp" else 1))
-        need = estimate_memory(c.model, n_params, c.training.micro_batch_size * c.data.seq_len, shards=shards,
-                               compute_bytes=self.compute_dtype.itemsize, ac=c.activation_checkpoint,
-                               buffer_bytes=buffer_bytes)
+        dims = self.parallel_dims
+        # FSDP shards over the data-parallel and CP ranks of a replica; each rank holds 1 / cp of every sequence.
+        shards = 1 if dims.world_mesh is None or c.parallelism.data_parallel == "ddp" else dims.dp_shard * dims.cp
+        tokens = c.training.micro_batch_size * c.data.seq_len // dims.cp
+        need = estimate_memory(c.model, n_params, tokens, shards=shards, compute_bytes=self.compute_dtype.itemsize,
+                               ac=c.activation_checkpoint, buffer_bytes=buffer_bytes)
         free, where = available_memory(self.device)
         if free is not None and need.total > free:
             raise RunFailed(f"out of memory before the start: {c.model.flavor} at {c.training.micro_batch_size} x "
@@ -276,13 +280,15 @@ class Trainer:
         try:
             model = build_model(self.config.model, self.device, lambda m: parallelize(
                 m, self.config.parallelism, self.config.activation_checkpoint, self.config.compile,
-                self.config.float8, self.mesh, self.compute_dtype))
+                self.config.float8, self.parallel_dims, self.compute_dtype))
         except PlanError as e:  # float8 with nothing to convert
             raise ConfigError(str(e)) from None
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
+        dims = self.parallel_dims
+        layout = f" ({dims.dp_size} data-parallel x {dims.cp} context-parallel)" if dims.cp > 1 else ""
         self._print(f"model {self.config.model.flavor}: {n_params / 1e6:.2f}M parameters on {self.world_size} "
-                    f"rank(s), {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}"
+                    f"rank(s){layout}, {self.device.type}, compute {str(self.compute_dtype).removeprefix('torch.')}"
                     + (f", compile mode {self.config.compile.mode}" if self.config.compile.enable else ""))
         self._print(attention_line(self.config.model))
         return model
@@ -343,6 +349,11 @@ class Trainer:
         current = config_to_dict(self.config)
         changed = [key for key, value in current.items() if key in previous and previous[key] != value
                    and not key.startswith(("job.", "checkpoint."))]
+        key = "parallelism.context_parallel_degree"
+        if key in changed:  # as many ranks, other data-parallel ranks: no rank's saved data position fits
+            raise ConfigError(f"{key} = {current[key]} differs from the {previous[key]} that {checkpoint} was saved "
+                              "with, so each rank's data position has no counterpart: set it back, or start a new "
+                              "job.run_dir")
         if not self.config.checkpoint.load_path:  # the same run: its model is the checkpoint's
             # A model key marked RESUMABLE (nsa_models.args) chooses how the model computes, not what: it may change.
             # Any other changed model key names another model than the checkpoint's, and the start is refused.
@@ -371,7 +382,7 @@ class Trainer:
 
     def _autocast(self):
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
-        fsdp = self.mesh is not None and self.config.parallelism.data_parallel != "ddp"
+        fsdp = self.parallel_dims.world_mesh is not None and self.config.parallelism.data_parallel != "ddp"
         if self.compute_dtype == torch.float32 or fsdp:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
@@ -398,8 +409,12 @@ class Trainer:
         return not flags[0]
 
     def _next_batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The loader's next (inputs, labels, doc_start) on this device; doc_start None without data.document_mask."""
+        """The loader's next (inputs, labels, doc_start) on this device; doc_start None without data.document_mask.
+        With CP, this rank's part of the sequence of inputs and labels (the model adds their positions)."""
         inputs, labels, *doc_start = (t.to(self.device, non_blocking=True) for t in next(loader))
+        if self.parallel_dims.cp > 1:  # no doc_start: check_context_parallel refuses data.document_mask
+            cp_mesh = self.parallel_dims.mesh("cp")
+            inputs, labels = shard_sequence(inputs, cp_mesh), shard_sequence(labels, cp_mesh)
         return inputs, labels, doc_start[0] if doc_start else None
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
@@ -529,6 +544,8 @@ class Trainer:
         """Model FLOPs per device per step (perf/tflops; MFU divides by the bf16 peak, so an fp32 run reads low) and
         the first window of steps that perf/* averages over. MFU is a GPU's measure: a CPU run logs none, quietly;
         a GPU missing from the peak table says so once."""
+        # Every sequence counted once (global_batch_tokens), its work shared by all ranks: CP ranks split a
+        # sequence as data-parallel ranks split the batch.
         self.flops_per_step = (flops_per_token(self.config.model, self.config.data.seq_len).total
                                * self.config.training.global_batch_tokens / self.world_size)
         self.peak_tflops = peak_tflops(self.device)

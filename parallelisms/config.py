@@ -22,7 +22,16 @@ class ParallelismConfig:
     """How data-parallel ranks hold the model: replicated (DDP), sharded per block (FSDP2), or sharded within
     `dp_replicate` replica groups (HSDP). Ignored with one process."""
     dp_replicate: int = field(default=1, metadata={"gt": 0})
-    """Replica groups for HSDP (usually the node count); the shard degree is world_size / dp_replicate."""
+    """Replica groups for HSDP (usually the node count); the shard degree is the data-parallel ranks /
+    dp_replicate."""
+    context_parallel_degree: int = field(default=1, metadata={"gt": 0})
+    """Context parallelism (CP): the ranks of a group of this size share each sequence, every rank holding 2 of its
+    2 x degree equal chunks (rank i chunks i and 2 x degree - 1 - i: each does the same causal work) and
+    all-gathering every layer's keys and values. Must divide the world size; the data-parallel ranks are
+    world_size / degree (the ranks of one CP group read the same batch, so training.global_batch_tokens counts
+    each sequence once), and FSDP / DDP reduce gradients over data-parallel and CP ranks together. NSA with
+    model.nsa.backend = 'reference' only (the triton kernels take no query offset yet), without
+    data.document_mask or passkey; data.seq_len must split into 2 x degree chunks of whole selection blocks."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (less memory, one more all-gather per block in backward).
     `false` keeps every block's bf16 parameters gathered from forward to backward: for small models, whose steps

@@ -1,35 +1,23 @@
-"""Data parallelism: the device mesh, FSDP2 / HSDP (`fully_shard`), DDP (composable `replicate`), and what each
-does between the micro-batches of one optimizer step (`prepare_micro_batch`)."""
+"""Data parallelism: FSDP2 / HSDP (`fully_shard`), DDP (composable `replicate`), and what each does between the
+micro-batches of one optimizer step (`prepare_micro_batch`). `parallelize` picks their meshes (`ParallelDims`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed._composable.replicate import DDP, replicate
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from parallelisms.config import ParallelismConfig
-
-
-def build_mesh(cfg: ParallelismConfig, world_size: int, device_type: str) -> DeviceMesh | None:
-    """1-D "dp" mesh for ddp/fsdp, 2-D ("dp_replicate", "dp_shard") for hsdp; None for one process.
-
-    Needs an initialised default process group of `world_size` ranks; check_plan has validated the degrees.
-    """
-    if world_size == 1:
-        return None
-    if cfg.data_parallel == "hsdp":
-        shape = (cfg.dp_replicate, world_size // cfg.dp_replicate)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool) -> None:
     """FSDP2 in place: each block is one all-gather / reduce-scatter unit, the root holds the rest.
 
-    A 2-D mesh gives HSDP: parameters are sharded over "dp_shard" and replicated over "dp_replicate".
+    A 2-D mesh gives HSDP: parameters are sharded over its second dimension ("dp_shard_cp") and replicated over
+    its first ("dp_replicate").
     Apply it to the meta-device model: `Transformer.init_weights()` then fills each rank's shards with its part of
     the weights one process would draw, whatever the mesh.
     """

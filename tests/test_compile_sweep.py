@@ -95,7 +95,7 @@ def test_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 def test_timeout_launcher_env_and_private_caches(tmp_path):
-    from nsa_training.sweep import sweep
+    from benchmarking.sweep import sweep
 
     out = tmp_path / "sweep"
     launcher = ("SWEEP_TEST=7 " + sys.executable +
@@ -130,7 +130,7 @@ def test_e2e_ratio_per_seq_len(tmp_path):
 
 def test_cell_command_and_recompile_count(tmp_path):
     """A stand-in trainer: prints its command line, recompiles a function twice and logs the compile counter."""
-    from nsa_training.sweep import sweep
+    from benchmarking.sweep import sweep
 
     fake_train = tmp_path / "fake_train.py"
     fake_train.write_text(

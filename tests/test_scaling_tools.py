@@ -94,7 +94,7 @@ def test_one_gpu_baselines_run_in_the_compile_mode_of_their_plans(overrides, exp
 
 
 def test_grid_domains_cover_keys_that_only_some_cells_set():
-    from nsa_training.sweep import grid_domains
+    from benchmarking.sweep import grid_domains
 
     cells = [{"parallelism.data_parallel": "hsdp", "parallelism.dp_replicate": "2"},
              {"parallelism.data_parallel": "fsdp"}, {"parallelism.data_parallel": "ddp", "compile.mode": "default"}]

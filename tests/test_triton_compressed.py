@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import triton_compressed
+from nsa_models.nsa import triton_compressed, triton_selection
 from nsa_models.nsa.reference import compressed_branch, select_blocks
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn, selection_keys
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd
+from nsa_models.nsa.triton_selection import select_topn, selection_keys
 from tests.helpers import assert_valid_selection, reference_scores
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -51,6 +52,7 @@ CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
 @pytest.mark.parametrize("B,T,H,G,D,blocks,n,keys", CASES)
 def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, blocks, n, keys, monkeypatch):
     monkeypatch.setattr(triton_compressed, "_KEYS", keys)
+    monkeypatch.setattr(triton_selection, "_KEYS", keys)
     monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)
     if keys < 64:  # several query chunks per block tile
         monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MIN", 64)
@@ -90,16 +92,16 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     # within 2^-18 of each other), pointer loads of the keys (taken when a tile's blocks exceed one TMA box) and
     # the loop that skips unseen tiles (taken from G = 16, beyond these cases' groups). One call runs all three:
     # each selection call takes ~20 s in the interpreter at these shapes.
-    monkeypatch.setattr(triton_compressed, "_wide_keys", lambda dtype, n_sel: False)
-    monkeypatch.setattr(triton_compressed, "_TMA_BOX_ROWS", 0)
-    monkeypatch.setattr(triton_compressed, "_PIPELINE_MAX_GP", 0)
+    monkeypatch.setattr(triton_selection, "_wide_keys", lambda dtype, n_sel: False)
+    monkeypatch.setattr(triton_selection, "_TMA_BOX_ROWS", 0)
+    monkeypatch.setattr(triton_selection, "_PIPELINE_MAX_GP", 0)
     assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
 
 
 @pytest.mark.parametrize("wide_keys", [True, False], ids=["64-bit-keys", "32-bit-keys"])
 def test_many_queries_share_one_block_and_ties_break_low(wide_keys: bool, monkeypatch):
     """Identical compressed keys give every block the same score: the lowest indices win, as the reference."""
-    monkeypatch.setattr(triton_compressed, "_wide_keys", lambda dtype, n_sel: wide_keys)
+    monkeypatch.setattr(triton_selection, "_wide_keys", lambda dtype, n_sel: wide_keys)
     args = NSAArgs(cmp_block_size=16, cmp_stride=16, sel_block_size=16, n_selected=4)
     B, T, H, G, D = 1, 160, 1, 2, 16
     q = torch.randn(B, T, H * G, D)

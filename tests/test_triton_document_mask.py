@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import fa4, triton_compressed, varlen
+from nsa_models.nsa import fa4, triton_compressed, triton_selection, varlen
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd, select_topn
+from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd
+from nsa_models.nsa.triton_selection import select_topn
 from tests.helpers import (
     ROWS,
     T_CPU,
@@ -73,6 +74,7 @@ def test_compressed_attention_and_selection_per_document(G: int, keys: int, bloc
     unmasked and skipped ranges of every kernel all run (with d = 4, dK/dV's first key tile has unmasked query steps
     in the third document of row 0)."""
     monkeypatch.setattr(triton_compressed, "_KEYS", keys)
+    monkeypatch.setattr(triton_selection, "_KEYS", keys)
     monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)
     monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MIN", 32)
     monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MAX", 32)
@@ -234,7 +236,8 @@ def check_documents(rows: list[list[int]], T: int, H: int, G: int, D: int, args:
 BACKEND_CASES = [("flex", "triton", torch.bfloat16),
                  ("sdpa", "triton", torch.float32), ("sdpa", "triton", torch.bfloat16),
                  ("flash_attn_4", "triton", torch.bfloat16), ("flex", "flash_attn_4", torch.bfloat16),
-                 ("flash_attn_4", "flash_attn_4", torch.bfloat16), ("flash_attn", "triton", torch.bfloat16)]
+                 ("flash_attn_4", "flash_attn_4", torch.bfloat16), ("flash_attn", "triton", torch.bfloat16),
+                 ("fused_with_selected", "triton", torch.float32), ("fused_with_selected", "triton", torch.bfloat16)]
 
 
 @pytest.mark.gpu
@@ -248,7 +251,10 @@ def test_backend_per_document_gpu(G: int, D: int, window_backend: str, cmp_backe
     if window_backend == "flash_attn":
         pytest.importorskip("flash_attn.flash_attn_interface", reason="flash-attn 2 is not installed")
     args = NSAArgs(**GPU_HYPER, window_backend=window_backend, cmp_backend=cmp_backend)
-    check_documents([[40, 700, 1501, 1000, 777], [4113]], 4160, 2, G, D, args, dtype)
+    if window_backend == "fused_with_selected":  # at most 64 blocks of 64
+        check_documents([[40, 700, 1501, 777], [4000]], 4096, 2, G, D, args, dtype)
+    else:
+        check_documents([[40, 700, 1501, 1000, 777], [4113]], 4160, 2, G, D, args, dtype)
 
 
 @pytest.mark.gpu

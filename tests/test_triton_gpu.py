@@ -14,8 +14,9 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
+from nsa_models.nsa.triton_selection import select_topn
 from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores
 
 pytestmark = pytest.mark.gpu
@@ -90,6 +91,14 @@ def test_backend_matches_reference(T: int, G: int, D: int, dtype: torch.dtype):
 @pytest.mark.parametrize("T", [31, 4113])  # within one FlexAttention block, and past a multiple of the block
 def test_backend_with_flex_window(T: int, dtype: torch.dtype):
     check_backend(T, 16, 128, HYPERS[0], dtype, "flex", separate=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 31, 1000, 2048, 4095])  # up to the fused sweep's 64 blocks
+@pytest.mark.parametrize("G,D", GROUPS_DIMS)
+def test_backend_with_window_fused_with_selected(T: int, G: int, D: int, dtype: torch.dtype):
+    hyper = HYPERS[(T + G) % 2]
+    check_backend(T, G, D, hyper, dtype, "fused_with_selected", separate=False)
 
 
 @pytest.mark.parametrize("T", [1, 31, 1000, 4113])  # FA4 takes bf16 / fp16 only
@@ -179,11 +188,12 @@ def test_compressed_long_sequence(cmp_backend: str):
 
 
 @pytest.mark.parametrize("window_backend,cmp_backend", [("flex", "triton"), ("sdpa", "triton"),
-                                                         ("flash_attn_4", "triton"), ("flash_attn_4", "flash_attn_4")])
+                                                         ("flash_attn_4", "triton"), ("flash_attn_4", "flash_attn_4"),
+                                                         ("fused_with_selected", "triton")])
 def test_compile_fullgraph_matches_eager_and_backward_is_deterministic(window_backend: str, cmp_backend: str):
     """The whole backend under torch.compile(fullgraph=True): no graph break, the eager result; and with the
     FlexAttention or FA4 window its backward run twice gives bitwise the same gradients (the masked-SDPA window
-    runs the memory-efficient kernel, whose backward is not bitwise reproducible)."""
+    runs the memory-efficient kernel, whose backward is not bitwise reproducible; the fused window's is)."""
     if "flash_attn_4" in (window_backend, cmp_backend):
         needs_flash_attn_4()
     args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=64, n_selected=16, window_size=512,

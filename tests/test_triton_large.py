@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.triton_backend import window_attention
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
+from nsa_models.nsa.triton_selection import select_topn
 from tests.helpers import assert_valid_selection, reference_scores, rel_err
 from tests.nsa_oracle import compressed_exact, selected_chunked
 

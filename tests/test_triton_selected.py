@@ -15,8 +15,9 @@ from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_common import head_rows_operand
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
+from nsa_models.nsa.triton_selection import select_topn
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")

@@ -24,7 +24,8 @@ try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it, 
 
     BACKENDS["triton"] = nsa_triton
     _selection_ops.append(torch.ops.nsa.select_topn.default)
-    _attention_ops += [torch.ops.nsa.compressed_attention_fwd.default, torch.ops.nsa.selected_attention_fwd.default]
+    _attention_ops += [torch.ops.nsa.compressed_attention_fwd.default, torch.ops.nsa.selected_attention_fwd.default,
+                       torch.ops.nsa.selected_window_fwd.default]
 except ImportError:
     pass
 AC_ALWAYS_SAVE_OPS = frozenset(_selection_ops)

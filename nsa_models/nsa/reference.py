@@ -153,11 +153,15 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
 
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask: BlockMask | None = None,
-                  doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
+                  q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
     entropy [B, T, HQ]). doc_start: int32 [B, T] first position of each query's document (module docstring), or
-    None. window_mask is not used: this backend masks the window itself."""
+    None. window_mask is not used: this backend masks the window itself.
+
+    q_start: the position of the first query. The T queries (and their gates, block indices and doc_start) are
+    positions q_start .. q_start+T-1 of the sequence that the keys and values span whole (context parallelism:
+    one chunk of a shard's queries against the gathered sequence); 0: queries and keys are the same positions."""
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
     G = HQ // H
@@ -170,7 +174,7 @@ def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
         end = min(T, start + args.query_chunk)
         chunk_idx = None if block_indices is None else block_indices[:, :, start:end]
         chunk_doc = None if doc_start is None else doc_start[:, start:end]
-        branches, idx, entropy = _chunk(qh[:, :, :, start:end], *kv, start, args, chunk_idx, chunk_doc)
+        branches, idx, entropy = _chunk(qh[:, :, :, start:end], *kv, q_start + start, args, chunk_idx, chunk_doc)
         g = gh[:, :, :, start:end].to(branches[0].dtype)
         outs.append(sum(g[..., i:i + 1] * o for i, o in enumerate(branches)))
         indices.append(idx)

@@ -5,12 +5,14 @@ Same contract as `nsa_reference`. Branches:
 - compressed attention: `triton_compressed.compressed_attention_fwd` (custom op, deterministic backward), or
   FlashAttention-4 over queries packed as heads (`cmp_backend = "flash_attn_4"`, `fa4.fa4_compressed_attention`);
   either also returns the log-sum-exp the selection needs;
-- selection scores and top-n: `triton_compressed.select_topn` (custom op; the ranking and tie-break of the
+- selection scores and top-n: `triton_selection.select_topn` (custom op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward);
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
-  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer). FlexAttention has no CPU
-  backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs a GPU.
+  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer); or, with `"fused_with_selected"`,
+  in one sweep with the selected branch (`triton_selected_window.selected_window_attention`, shared K/V).
+  FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs
+  a GPU.
 
 Packed documents (`doc_start`, starting at multiples of l'): the compressed kernels and the selection mask blocks
 before each query's document, the FlexAttention and SDPA windows stop at its start, flash-attn 2 and
@@ -30,8 +32,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.flex import flex
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd, select_topn
+from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
+from nsa_models.nsa.triton_selected_window import selected_window_attention
+from nsa_models.nsa.triton_selection import select_topn
 from nsa_models.nsa.varlen import document_cu_seqlens
 
 # Below 128 queries FlexAttention picks its decoding kernel, whose lowering finds no valid configuration at G = 16,
@@ -122,8 +126,15 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
                                   args.sel_block_size, args.n_selected, scale, doc_start)
     block_indices = chosen if block_indices is None else block_indices
-    o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale)
-    o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start)
+    if args.window_backend == "fused_with_selected":
+        if k_win is not k_slc or v_win is not v_slc:
+            raise ValueError("model.nsa.window_backend = 'fused_with_selected' needs the window's keys and values to "
+                             "be the selected branch's: set model.nsa.separate_kv = false")
+        o_slc, o_win = selected_window_attention(q, k_slc, v_slc, block_indices, args.sel_block_size,
+                                                 args.window_size, scale, doc_start)
+    else:
+        o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale)
+        o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy

@@ -1,5 +1,6 @@
-"""Triton helpers shared by the compressed (`triton_compressed`) and selected (`triton_selected`) NSA kernels:
-key/value row loads (pointer or TMA), the streaming softmax and its backward's per-row inputs.
+"""Triton helpers shared by the compressed (`triton_compressed`), selection (`triton_selection`) and selected
+(`triton_selected`) NSA kernels: key/value row loads (pointer or TMA), the streaming softmax and its backward's
+per-row inputs.
 
 Layouts as the kernels': q, o [B, T, HQ, D]; k, v [B, N, H, D] (N: tokens or compressed blocks).
 """

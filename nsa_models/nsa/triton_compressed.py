@@ -1,4 +1,6 @@
-"""Compressed attention (NSA branch 1) and the top-n block selection (branches 2-3) in Triton, as torch custom ops.
+"""Compressed attention (NSA branch 1) in Triton, as torch custom ops. The top-n block selection (branches 2-3),
+which reruns these scores from the forward's log-sum-exp, is in `triton_selection` and shares the tiling and
+block-visibility helpers below.
 
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
 Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t, and, with packed documents
@@ -21,14 +23,6 @@ loads (a tile's unused rows must read as zeros).
   queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible. The dK/dV
   program computes the transposed scores (keys x query rows), so that every product has the key tile as its
   rows and no probability tile is transposed in registers.
-- Selection: recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed blocks
-  to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
-  overlap that spills into the next tile), forces block 0 (with documents, the document's first) and the two most
-  recent blocks, and makes one sort key per candidate block: the fp32 score's bits above the complement of the
-  block index, so that ranking the keys orders by score and breaks ties towards the lower index, as the
-  reference's stable sort (64-bit keys, or 32-bit ones with the score's lowest bits dropped: `_wide_keys`). Each
-  query keeps its top-n keys in registers, merged with one tile of candidates at a time (a bitonic merge). The
-  same pass gives each query head's compressed-attention entropy (telemetry).
 """
 
 from __future__ import annotations
@@ -53,13 +47,6 @@ _BWD_PROGRAMS = 1024
 _BWD_CHUNK_MIN = 256
 _BWD_CHUNK_MAX = 2048
 _BWD_CHUNKS_MAX = 32
-_TMA_BOX_ROWS = 256  # the most rows one TMA box holds
-# Padded group sizes up to this run the selection's loop branch-free, so that the compiler prefetches the key tiles
-# (3 stages); larger ones keep the branch: pipelined, the kernel takes 184 registers instead of 128 at G = 16 (by
-# arithmetic, 2 programs of 4 warps fit an SM instead of 4). Selection op, branch and 2 stages -> branch-free and 3
-# stages (H200, outputs equal): 32k G = 1 4.73 -> 4.21 ms, G = 8 4.36 -> 4.29, G = 2 and 4 even; nsa-125m (G = 3,
-# D = 64) 1 x 32k 1.00 -> 0.96, 16 x 2k 0.134 -> 0.130; G = 16 64k 11.63 -> 13.69, 8k 0.240 -> 0.288.
-_PIPELINE_MAX_GP = 8
 
 
 @triton.jit
@@ -285,89 +272,6 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
     tl.store(DV_PART + ptr, dv, mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL", "IDX_BITS"])
-def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-                   SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
-                   DOC_MASK: tl.constexpr):
-    QB: tl.constexpr = BM // GP
-    PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
-    PB: tl.constexpr = L // S  # stride segments per compressed block
-    BN: tl.constexpr = BJ * PS
-    bh = tl.program_id(1).to(tl.int64)
-    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
-    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
-    # overlap[i, j]: stride segments shared by compressed block i and selection block j of a tile (local
-    # indices; the tile's first block starts both), and spill[i]: those shared with the next tile's first.
-    i_loc = tl.arange(0, BN)[:, None]
-    j_loc = tl.arange(0, BJ)[None, :]
-    overlap = tl.maximum(tl.minimum(j_loc * PS + PS, i_loc + PB) - tl.maximum(j_loc * PS, i_loc), 0).to(tl.float32)
-    spill = tl.maximum(tl.arange(0, BN) + PB - BN, 0).to(tl.float32)
-    tq = t0 + tl.arange(0, QB)  # the tile's query positions
-    current = tq // SEL
-    t_last = tl.minimum(t0 + QB, T) - 1
-    n_vis = _n_visible(t_last, NC, L, S)
-    carry = tl.zeros([QB], tl.float32)
-    plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
-    # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
-    KEY: tl.constexpr = tl.int64 if WIDE_KEYS else tl.int32
-    top = tl.full([QB, BJ], -1, KEY)
-    idx_mask = (tl.full([], 1, KEY) << IDX_BITS) - 1  # a key's IDX_BITS low bits: the block index's complement
-    drop = 0 if WIDE_KEYS else IDX_BITS  # 32-bit keys give up the score's lowest bits to the index
-    n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
-    j_lo = 0
-    first = 0  # each query's first candidate: its document's first block
-    if DOC_MASK:
-        first = (tl.load(DOC + b * T + tq, mask=tq < T, other=0) // SEL)[:, None]
-        first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
-        if not STORE_KEYS:  # the tiles before the tile's first document hold no candidate (and no overlap carry)
-            j_lo = tl.load(DOC + b * T + t0) // SEL // BJ * BJ
-    for j0 in range(j_lo, n_cols, BJ):
-        j = j0 + tl.arange(0, BJ)
-        score = tl.where(j_loc == 0, carry[:, None], 0.0)
-        carry = tl.zeros([QB], tl.float32)
-        # A tile none of whose blocks the queries see adds nothing; skipping it puts a branch around the key loads,
-        # which the pipeliner does not prefetch into (`_PIPELINE_MAX_GP`).
-        if PIPELINED or j0 * PS < n_vis:
-            n = j0 * PS + tl.arange(0, BN)
-            k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
-            if DOC_MASK:
-                visible &= n[None, :] >= first_cmp
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
-            # The group's heads share one selection: sum their rows (linear, so after the overlap product).
-            # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
-            # spilled registers and took 3x as long at 64k, and rounding p to tf32 (2^-11 relative) only
-            # reorders blocks whose scores tie to within that (measured: 0.4% of rows at 64k).
-            per_row = tl.dot(p, overlap, input_precision=PRECISION)
-            score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
-            carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
-        forced = (j[None, :] == first) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
-        score = tl.where(forced, float("inf"), score)
-        score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
-        if DOC_MASK:
-            score = tl.where(j[None, :] < first, float("-inf"), score)
-        # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
-        bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
-        key = ((bits >> drop).to(KEY) << IDX_BITS) | (idx_mask - j[None, :]).to(KEY)  # j: 64-bit, as the loop bound
-        if STORE_KEYS:
-            tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key, mask=(tq < T)[:, None] & (j < NS)[None, :])
-        # Bitonic top-k: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
-        # BJ largest of both as a bitonic sequence, which one merge (log2 BJ rounds) sorts descending again.
-        top = tl.bitonic_merge(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
-    rank = tl.arange(0, BJ)[None, :]
-    chosen = tl.where((top >= 0) & (rank < N_SEL), idx_mask - (top & idx_mask), NS)  # NS: none
-    chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
-    idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
-    tl.store(IDX + idx_ptr, tl.where(chosen == NS, -1, chosen), mask=(tq < T)[:, None] & (rank < N_SEL))
-    tl.store(ENT + rows, (lse - plogp_sum) * 0.6931471805599453, mask=row_ok)
-
-
 def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict:
     """Rows per query position (G, or the next power of two with pad_heads), padded head dim and the dot
     precision (exact fp32 for fp32 inputs).
@@ -501,74 +405,3 @@ def _backward(ctx, do, dlse):
 
 
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
-    """Whether the selection ranks by 64-bit sort keys (the whole fp32 score above the block index) rather than
-    32-bit ones, which keep the score's top 31 - b bits beside a b-bit index and halve the sort's and merge's work.
-
-    fp32 inputs (an exact `ieee` product) keep the exact ranking. Lower precisions take 32-bit keys while the
-    index needs at most 11 bits (up to 2048 selection blocks): scores then tie only within 2^-12 of each other
-    (and go to the lower index, as exact ties do), finer than the tf32 rounding (2^-11) their probabilities
-    already get in the overlap product."""
-    return dtype == torch.float32 or (n_sel - 1).bit_length() > 11
-
-
-def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-            scale: float, store_keys: bool, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    B, T, HQ, D = q.shape
-    H, NC = k.shape[2], k.shape[1]
-    triton_common.check_batch_heads(B, H, "selection")
-    if sel_block % stride or block > sel_block + stride:
-        raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
-                         "l' + d (a compressed block overlaps at most two selection blocks)")
-    q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
-    tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
-    n_sel = triton.cdiv(T, sel_block)
-    idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
-    entropy = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    keys = torch.empty(B, H, T, n_sel, device=q.device, dtype=torch.int64) if store_keys else None
-    # Selection blocks per tile: at least n (the running top-n is merged with one tile at a time).
-    per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
-    wide = store_keys or _wide_keys(q.dtype, n_sel)
-    grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
-    # The keys through TMA (measured: `_kv_operands`) while a tile's compressed blocks fit in one box.
-    tile_keys = per_tile * sel_block // stride
-    tma = tile_keys <= _TMA_BOX_ROWS
-    pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
-    keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
-    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, n_sel, n_selected,
-                         32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
-                         SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
-                         PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
-                         num_stages=3 if pipelined else 2)
-    return idx, entropy, keys
-
-
-def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, scale: float,
-                   doc_start: Tensor | None = None) -> Tensor:
-    """For tests: the int64 sort key [B, H, T, Ns] the selection ranks each block by (the fp32 score's bits above
-    the complement of the block index; negative: a future block, or one before the query's document)."""
-    return _select(q, k, lse, block, stride, sel_block, 1, scale, True, doc_start)[2]
-
-
-@torch.library.custom_op("nsa::select_topn", mutates_args=())
-def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-                scale: float, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Top-n selection blocks per (batch, KV head, query), shared by the GQA group, and the entropy (nats) of
-    each query head's compressed-attention distribution.
-
-    q [B, T, HQ, D], compressed k [B, Nc, H, D], lse [B, T, HQ] from `compressed_attention_fwd`. Returns int64
-    [B, H, T, n] (ascending, -1 padding at the end, as the reference's `select_blocks`) and fp32 [B, T, HQ].
-    Nothing of size T x Ns is written: each query keeps its running top-n in registers. With doc_start [B, T]
-    (multiples of l'), a query's candidates are the blocks of its document, whose first block is forced.
-    """
-    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start)
-    return idx, entropy
-
-
-@select_topn.register_fake
-def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None):
-    B, T, HQ, _ = q.shape
-    return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
-                                                                                      dtype=torch.float32)

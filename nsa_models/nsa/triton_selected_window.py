@@ -1,0 +1,363 @@
+"""The selected and sliding-window branches (NSA branches 4 and 5) in one Triton sweep per direction, for K/V shared by
+the two (`separate_kv = False`): `model.nsa.window_backend = "fused_with_selected"`.
+
+Layout as the reference: q, o [B, T, HQ, D]; k, v [B, T, H, D]. What each query chose comes as one int64 bitmask
+[B, H, T] (bit j: selection block j; `chosen_bits`), shared by the G query heads of a KV group. Query t attends, in the
+selected branch, the tokens u <= t of its chosen blocks, and in the window the tokens t - w < u <= t (and u >=
+doc_start[t] with packed documents).
+
+A query tile (QT consecutive queries x their G heads as the rows of one matrix-unit tile) walks its causal prefix once,
+`keys` keys (one or more selection blocks) a step. One Q Kᵀ per step serves both branches: the steps before the tile's
+window feed the selected branch's online softmax alone (rows mask the blocks they did not choose); the steps of the
+window feed two softmax states. Where a query's causal prefix has at most n selection blocks it chose all of them, and
+the selected branch is causal attention over the prefix: at T = 2 n l' (nsa-125m's 2048 tokens) that is half of the
+rows, and the other half chose half of its blocks, so walking the whole prefix wastes little there. The work grows with
+T²: `MAX_FUSED_BLOCKS` (nsa_models.args) bounds where it is offered.
+
+Backward, no float atomics, bitwise repeatable: dK/dV by one program per (`keys` keys, batch, KV head) that walks the
+query tiles that can see them (the window's with both branches, the later ones with the selected branch alone) and
+writes its block's gradients once; dQ by the forward's tiles. No per-slot partials, no work lists.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nsa_models.args import MAX_FUSED_BLOCKS
+from nsa_models.nsa import triton_common
+from nsa_models.nsa.triton_common import LOG2E, load_head_rows, online_softmax_update, softmax_output
+
+# Launch of each kernel: rows (queries x heads) per query tile, keys per step (a multiple of l'), warps, pipeline
+# stages.
+FWD_LAUNCH = dict(rows=64, keys=64, num_warps=4, num_stages=3)
+DQ_LAUNCH = dict(rows=64, keys=64, num_warps=4, num_stages=3)
+DKDV_LAUNCH = dict(rows=16, keys=64, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _rows(tile, b, h, T, H: tl.constexpr, G: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr):
+    """Query tile `tile`: row r is head r % G of query tile * QT + r // G. Returns the rows' query positions, their
+    offsets in [B * T * HQ] and which exist."""
+    r = tl.arange(0, BM)
+    t = tile * QT + r // G
+    return t, (b * T + t) * (H * G) + h * G + r % G, (r < QT * G) & (t < T)
+
+
+@triton.jit
+def _chose(word, pos, BS: tl.constexpr):
+    """Whether a row (its bitmask `word`) chose the block of key `pos` (broadcast: [rows, 1] against [1, keys], or
+    transposed). Keys past the last block shift past bit 63 (0, or -1 for a word with bit 63 set); callers mask
+    them out as not causal."""
+    return ((word >> (pos // BS)) & 1) != 0
+
+
+@triton.jit
+def _doc_starts(DOC, b, t, row_ok, T, DOC_MASK: tl.constexpr):
+    """[rows] the first position of each row's document (with DOC_MASK; else the rows' positions, unused)."""
+    if DOC_MASK:  # the same type on both paths: the compiler checks every return, taken or not
+        return tl.load(DOC + b * T + t, mask=row_ok, other=0).to(t.dtype)
+    return t
+
+
+@triton.jit
+def _window(t, pos, doc, W, DOC_MASK: tl.constexpr):
+    """Key pos lies in query t's window (causal, within w, not before its document's start doc); the arguments
+    broadcast ([rows, 1] against [1, keys], or transposed)."""
+    inside = (pos <= t) & (t - pos < W)
+    if DOC_MASK:
+        inside &= pos >= doc
+    return inside
+
+
+@triton.jit
+def _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+            BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Key step `step` of a query tile: the keys' positions [BN], keys and values [BN, BD], and the rows' scores
+    [rows, BN] in log2 units."""
+    pos = step * BN + u
+    k = load_head_rows(K, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
+    v = load_head_rows(V, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
+    return pos, k, v, tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+
+
+@triton.jit
+def _window_step_masks(word, t, pos, doc, W, BS: tl.constexpr, DOC_MASK: tl.constexpr):
+    """[rows, keys] masks of a key step that reaches into the rows' windows: the selected branch's (a chosen block,
+    causal) and the window's."""
+    chose = _chose(word[:, None], pos[None, :], BS) & (pos[None, :] <= t[:, None])
+    return chose, _window(t[:, None], pos[None, :], doc[:, None], W, DOC_MASK)
+
+
+@triton.jit
+def _query_tile(Q, BITS, DOC, T, W, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, DOC_MASK: tl.constexpr):
+    """This program's query tile (grid: query tiles x batch * KV heads): positions, row offsets, which exist, the
+    q / row masks, q, each row's bitmask and document start, the batch and KV head, head-dim lanes and their
+    validity, the first key step of any row's window and the last key step."""
+    tile = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    t, rows, row_ok = _rows(tile, b, h, T, H, G, QT, BM)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
+    first = tile * QT
+    last = tl.minimum(first + QT, T) - 1
+    return (t, rows, row_ok, qd_mask, q, word, _doc_starts(DOC, b, t, row_ok, T, DOC_MASK), b, h, d, d_ok,
+            tl.maximum(first - W + 1, 0) // BN, last // BN)
+
+
+@triton.jit(do_not_specialize=["T", "W"])
+def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: tl.constexpr,
+                G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
+                BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                DOC_MASK: tl.constexpr):
+    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, win_step, last_step = _query_tile(
+        Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    u = tl.arange(0, BN)
+    m_s = tl.full([BM], float("-inf"), tl.float32)
+    l_s = tl.zeros([BM], tl.float32)
+    acc_s = tl.zeros([BM, BD], tl.float32)
+    m_w, l_w, acc_w = m_s, l_s, acc_s
+    # Before the window: every key precedes every row's query by w or more, so only the choice masks.
+    for step in range(0, win_step):
+        pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
+        s = tl.where(_chose(word[:, None], pos[None, :], BS), s, float("-inf"))
+        m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, s, v, PRECISION)
+    for step in range(win_step, last_step + 1):
+        pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
+        chose, inside = _window_step_masks(word, t, pos, doc, W, BS, DOC_MASK)
+        m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, tl.where(chose, s, float("-inf")), v, PRECISION)
+        m_w, l_w, acc_w = online_softmax_update(m_w, l_w, acc_w, tl.where(inside, s, float("-inf")), v, PRECISION)
+    o_s, lse_s = softmax_output(m_s, l_s, acc_s)
+    o_w, lse_w = softmax_output(m_w, l_w, acc_w)
+    tl.store(O_SLC + rows[:, None] * D + d[None, :], o_s.to(O_SLC.dtype.element_ty), mask=qd_mask)
+    tl.store(O_WIN + rows[:, None] * D + d[None, :], o_w.to(O_WIN.dtype.element_ty), mask=qd_mask)
+    tl.store(LSE_SLC + rows, lse_s, mask=row_ok)
+    tl.store(LSE_WIN + rows, lse_w, mask=row_ok)
+
+
+@triton.jit
+def _row_grads(DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
+    """One branch's backward inputs of query rows: dO [rows, BD], lse (log2 units) and delta [rows]."""
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    return do, lse, delta
+
+
+@triton.jit(do_not_specialize=["T", "W"])
+def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W, qk_scale,
+                   scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                   QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                   TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, win_step, last_step = _query_tile(
+        Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    u = tl.arange(0, BN)
+    do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
+    do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
+    dq = tl.zeros([BM, BD], tl.float32)
+    for step in range(0, win_step):
+        pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
+        p = tl.where(_chose(word[:, None], pos[None, :], BS), tl.exp2(s - lse_s[:, None]), 0.0)
+        dp = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
+        dq += tl.dot((p * (dp - delta_s[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    for step in range(win_step, last_step + 1):
+        pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
+        chose, inside = _window_step_masks(word, t, pos, doc, W, BS, DOC_MASK)
+        p_s = tl.where(chose, tl.exp2(s - lse_s[:, None]), 0.0)
+        p_w = tl.where(inside, tl.exp2(s - lse_w[:, None]), 0.0)
+        dp_s = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
+        dp_w = tl.dot(do_w, tl.trans(v), input_precision=PRECISION)
+        ds = p_s * (dp_s - delta_s[:, None]) + p_w * (dp_w - delta_w[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit
+def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale,
+                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
+                   BM: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """A query tile's rows as seen from the keys `pos`: their positions, offsets, validity, q / dO masks, q and
+    the selected branch's dO, its probabilities and its part of dS (transposed: [keys, rows]), and the scores.
+    CAUSAL: some of the keys may follow some rows' queries (else all precede them)."""
+    t, rows, row_ok = _rows(tile, b, h, T, H, G, QT, BM)
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
+    s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, rows], log2 units
+    word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
+    chose = _chose(word[None, :], pos[:, None], BS)
+    if CAUSAL:
+        chose &= pos[:, None] <= t[None, :]
+    p_s = tl.where(chose, tl.exp2(s - lse_s[None, :]), 0.0)
+    dp_s = tl.dot(v, tl.trans(do_s), input_precision=PRECISION)
+    return t, rows, row_ok, qd_mask, q, do_s, p_s, p_s * (dp_s - delta_s[None, :]), s
+
+
+@triton.jit(do_not_specialize=["T", "W"])
+def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
+                     qk_scale, scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     BN: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                     PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    """One program per (BN keys, batch * KV head): their dK and dV, from the query tiles that see them. Scores are
+    computed transposed (keys x query rows), so that dV += Pᵀ dO and dK += dSᵀ Q take their left operand straight
+    from the accumulator's layout."""
+    step = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    pos = step * BN + tl.arange(0, BN)
+    k = load_head_rows(K, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
+    v = load_head_rows(V, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
+    dk = tl.zeros([BN, BD], tl.float32)
+    dv = tl.zeros([BN, BD], tl.float32)
+    first = step * BN // QT
+    # The tiles up to the last query whose window holds one of the keys see them through both branches; the later
+    # ones (all of the keys causally visible, none in their window) through the selected one alone.
+    win_last = tl.minimum(step * BN + BN + W - 2, T - 1) // QT
+    for tile in range(first, win_last + 1):
+        t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
+            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale, H, G, D, BS, QT,
+            BM, PRECISION, True)
+        dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
+        do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
+        doc = _doc_starts(DOC, b, t, row_ok, T, DOC_MASK)
+        inside = _window(t[None, :], pos[:, None], doc[None, :], W, DOC_MASK) & row_ok[None, :]
+        p_w = tl.where(inside, tl.exp2(s - lse_w[None, :]), 0.0)
+        dv += tl.dot(p_w.to(do_w.dtype), do_w, input_precision=PRECISION)
+        dp_w = tl.dot(v, tl.trans(do_w), input_precision=PRECISION)
+        ds += p_w * (dp_w - delta_w[None, :])
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+    for tile in range(win_last + 1, tl.cdiv(T, QT)):
+        t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
+            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale, H, G, D, BS, QT,
+            BM, PRECISION, False)
+        dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+    out = (b * T + pos)[:, None] * (H * D) + h * D + d[None, :]
+    kd_mask = (pos < T)[:, None] & d_ok[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kd_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kd_mask)
+
+
+def chosen_bits(block_indices: Tensor) -> Tensor:
+    """[B, H, T] int64 bitmask of each query's chosen blocks (bit j: block j < 64) from block_indices [B, H, T, n]
+    (-1: none). Torch ops, which fuse into the caller's graph; a sum of distinct bits, exact in any order."""
+    return torch.where(block_indices >= 0, torch.ones_like(block_indices) << (block_indices & 63), 0).sum(-1)
+
+
+def _launch(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int, window: int,
+            scale: float, launch: dict) -> tuple[dict, int]:
+    """A kernel's keyword arguments under `launch` (one of the *_LAUNCH), and its number of query tiles."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    QT = max(1, launch["rows"] // G)
+    doc = doc_start if doc_start is not None else bits  # a placeholder pointer, never read
+    # fp32 rows of 128 lanes: 32 KiB a key or value tile, so pipelined K/V stages would pass the shared memory of an
+    # SM (H100: 227 KiB). fp32 is the correctness path; it runs unpipelined.
+    stages = launch["num_stages"] if q.element_size() * D <= 256 else 1
+    return dict(BITS=bits, DOC=doc, T=T, W=window, qk_scale=scale * LOG2E, H=H, G=G, D=D, BS=block_size,
+                BN=max(block_size, launch["keys"]), QT=QT, BM=triton.next_power_of_2(QT * G),
+                BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), TMA=True,
+                DOC_MASK=doc_start is not None, num_warps=launch["num_warps"], num_stages=stages), triton.cdiv(T, QT)
+
+
+def _operands(k: Tensor, v: Tensor, args: dict) -> tuple:
+    """K and V as a kernel reads them: TMA descriptors of one key step a box, or the tensors."""
+    return (triton_common.head_rows_operand(k, args["BN"], args["TMA"]),
+            triton_common.head_rows_operand(v, args["BN"], args["TMA"]))
+
+
+@torch.library.custom_op("nsa::selected_window_fwd", mutates_args=())
+def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
+                        window: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`."""
+    q, k, v, bits = q.contiguous(), k.contiguous(), v.contiguous(), bits.contiguous()
+    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
+    lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
+    lse_win = torch.empty_like(lse_slc)
+    args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, FWD_LAUNCH)
+    k, v = _operands(k, v, args)
+    _fwd_kernel[(tiles, q.shape[0] * args["H"])](q, k, v, O_SLC=o_slc, O_WIN=o_win, LSE_SLC=lse_slc,
+                                                 LSE_WIN=lse_win, **args)
+    return o_slc, o_win, lse_slc, lse_win
+
+
+@selected_window_fwd.register_fake
+def _(q, k, v, bits, doc_start, block_size, window, scale):
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+
+
+@torch.library.custom_op("nsa::selected_window_bwd", mutates_args=())
+def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
+                        lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
+                        doc_start: Tensor | None, block_size: int, window: int,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32)."""
+    q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
+    bits = bits.contiguous()
+    B, T, H = q.shape[0], q.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = dict(DO_SLC=do_slc, DO_WIN=do_win, LSE_SLC=lse_slc.contiguous(), LSE_WIN=lse_win.contiguous(),
+                 DELTA_SLC=delta_slc.contiguous(), DELTA_WIN=delta_win.contiguous(), scale=scale)
+    args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
+    k_op, v_op = _operands(k, v, args)
+    _bwd_dq_kernel[(tiles, B * H)](q, k_op, v_op, DQ=dq, **grads, **args)
+    args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
+    k_op, v_op = _operands(k, v, args)
+    _bwd_dkdv_kernel[(triton.cdiv(T, args["BN"]), B * H)](q, k_op, v_op, DK=dk, DV=dv, **grads, **args)
+    return dq, dk, dv
+
+
+@selected_window_bwd.register_fake
+def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bits, doc_start, block_size, window, scale = inputs
+    ctx.save_for_backward(*output, q, k, v, bits, doc_start)
+    ctx.block_size, ctx.window, ctx.scale = block_size, window, scale
+
+
+def _backward(ctx, do_slc, do_win, dlse_slc, dlse_win):
+    o_slc, o_win, lse_slc, lse_win, q, k, v, bits, doc_start = ctx.saved_tensors
+    delta_slc = triton_common.softmax_delta(o_slc, do_slc, dlse_slc)
+    delta_win = triton_common.softmax_delta(o_win, do_win, dlse_win)
+    dq, dk, dv = selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
+                                     doc_start, ctx.block_size, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+selected_window_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_fused(T: int, block_size: int) -> None:
+    """Raise ValueError unless a sequence of T tokens fits the fused sweep (`MAX_FUSED_BLOCKS`)."""
+    if triton.cdiv(T, block_size) > MAX_FUSED_BLOCKS:
+        raise ValueError(f"model.nsa.window_backend = 'fused_with_selected' runs sequences of at most "
+                         f"{MAX_FUSED_BLOCKS * block_size} tokens ({MAX_FUSED_BLOCKS} selection blocks; its work "
+                         f"grows as T^2), got {T}: set window_backend to 'flex' or 'flash_attn_4'")
+
+
+def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, window: int,
+                              scale: float | None = None,
+                              doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
+    [B, H, T, n] int64 (-1: none); doc_start [B, T] int32 (multiples of block_size) or None."""
+    B, T, HQ, D = q.shape
+    check_fused(T, block_size)
+    triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
+    scale = D ** -0.5 if scale is None else scale
+    o_slc, o_win, _, _ = selected_window_fwd(q, k, v, chosen_bits(block_indices), doc_start, block_size, window,
+                                             scale)
+    return o_slc, o_win

@@ -1,0 +1,130 @@
+"""Context parallelism (CP) for NSA: the ranks of a CP group share each sequence, for sequences whose activations
+one device cannot hold.
+
+The sequence is cut into 2 x cp equal chunks and rank i holds chunks i and 2 x cp - 1 - i (causal load balancing,
+as TorchTitan: every rank gets one early and one late chunk, so the same share of the causal work); the trainer
+shards inputs and labels that way (`shard_sequence`). In every layer the ranks all-gather the keys and values
+(few heads: far less than the hidden states) into the whole sequence, which compression needs whole (its blocks
+straddle the chunks). Each rank then computes the compressed keys of the whole sequence and attends with its own
+queries at their global positions: the compressed branch, the top-n selection (local: a query's selection depends
+only on its own compressed scores) and the window, whose keys in earlier chunks are in the gathered sequence.
+The all-gather's backward reduce-scatters the key/value gradients back to the ranks that own them.
+
+Gradients: each rank's loss is the mean over its tokens, and every shard holds as many labelled tokens (no
+padding: `data.document_mask` is refused), so the mean of the CP ranks' gradients is the one-process gradient;
+FSDP / DDP reduce over the data-parallel and CP ranks together (`ParallelDims`' "dp_shard_cp" / "dp_cp").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
+
+from nsa_models.args import ModelArgs
+from nsa_models.model import NSACore, SequenceKV
+from nsa_models.nsa.reference import nsa_reference
+from parallelisms.config import PlanError
+
+
+def check_context_parallel(degree: int, model: ModelArgs, seq_len: int, document_mask: bool) -> None:
+    """Raise PlanError (one line naming the key and the fix) for a CP degree this model or length cannot run."""
+    if degree == 1:
+        return
+    key = f"parallelism.context_parallel_degree = {degree}"
+    if model.attention != "nsa":
+        raise PlanError(f"{key} needs NSA attention: dense attention (model.flavor = {model.flavor!r}) has no "
+                        "context-parallel implementation here; use an NSA flavor or context_parallel_degree = 1")
+    if model.nsa.backend != "reference":
+        raise PlanError(f"{key} needs model.nsa.backend = 'reference': the {model.nsa.backend} kernels take no query "
+                        "offset yet (a shard's queries start mid-sequence); set --model.nsa.backend reference or "
+                        "context_parallel_degree = 1")
+    if document_mask:
+        raise PlanError(f"{key} with data.document_mask = true is not implemented (document starts are not sharded): "
+                        "set data.document_mask = false or context_parallel_degree = 1")
+    # Whole selection blocks (multiples of the compression stride) per chunk: no block straddles two ranks' queries.
+    chunk = 2 * degree * model.nsa.sel_block_size
+    if seq_len % chunk:
+        raise PlanError(f"data.seq_len = {seq_len} does not split into 2 x parallelism.context_parallel_degree = "
+                        f"{2 * degree} chunks of whole selection blocks (model.nsa.sel_block_size = "
+                        f"{model.nsa.sel_block_size}): make it a multiple of {chunk}")
+
+
+def _chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) that `rank` holds: one early, one late."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """This rank's part of `x` [B, T, ...]: its two chunks along dim 1, in order (T a multiple of 2 x cp)."""
+    chunks = x.chunk(2 * mesh.size(), dim=1)
+    return torch.cat([chunks[i] for i in _chunks(mesh.size(), mesh.get_local_rank())], dim=1)
+
+
+def _gather_sequence(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """The whole sequence [B, T, ...] from every rank's shard [B, T / cp, ...] (`shard_sequence`), differentiable:
+    the backward reduce-scatters the gradient (each rank gets the sum of every rank's gradient for its shard)."""
+    cp = mesh.size()
+    # Sequence first: the autograd all-gather concatenates along dim 0 only. Rank order: rank r's two chunks.
+    gathered = funcol.all_gather_single_autograd(x.movedim(1, 0).contiguous(), gather_dim=0, group=mesh)
+    pieces = gathered.unflatten(0, (2 * cp, -1))
+    where = {chunk: 2 * rank + i for rank in range(cp) for i, chunk in enumerate(_chunks(cp, rank))}
+    return torch.cat([pieces[where[chunk]] for chunk in range(2 * cp)]).movedim(0, 1)
+
+
+class GatheredKV(SequenceKV):
+    """SequenceKV that all-gathers the CP group's keys and values into the whole sequence (one collective)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return _gather_sequence(torch.cat([k, v], dim=2), self.mesh).chunk(2, dim=2)
+
+
+class ShardNSACore(NSACore):
+    """NSACore for a shard's queries (its two chunks) against the gathered sequence: each chunk is one call of the
+    reference NSA with the chunk's first position (`q_start`), so its causal masks, window and top-n candidates are
+    those of its global positions."""
+
+    def __init__(self, core: NSACore, mesh: DeviceMesh):
+        super().__init__(core.nsa)
+        self.chunks = _chunks(mesh.size(), mesh.get_local_rank())
+
+    def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
+                v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """NSACore's outputs for the shard's queries. window_mask and doc_start are None: `check_context_parallel`
+        refuses the triton backend (the only one with a window mask) and data.document_mask."""
+        C = q.shape[1] // 2
+        parts = [nsa_reference(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
+                               gates[:, i * C:(i + 1) * C], self.nsa, q_start=chunk * C)
+                 for i, chunk in enumerate(self.chunks)]
+        # out [B, C, HQ, D], block indices [B, H, C, n], entropy [B, C, HQ]: the two chunks in shard order
+        out, idx, entropy = (torch.cat(pieces, dim) for pieces, dim in zip(zip(*parts), (1, 2, 1)))
+        return out, idx, entropy
+
+
+def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the model: the global positions of the shard's tokens (its RoPE rows)."""
+    tokens = args[0]
+    positions = torch.arange(tokens.shape[1] * mesh.size(), device=tokens.device)
+    kwargs["positions"] = shard_sequence(positions[None], mesh)[0]
+    return args, kwargs
+
+
+def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Context parallelism over `mesh` (the "cp" dimension) in place: every NSA layer all-gathers its keys and
+    values and attends with its shard's queries at their global positions; the model's forward gets the shard's
+    token positions. The model then takes `shard_sequence(tokens)` and returns the shard's logits. Apply it to the
+    plain model, before AC, compile and FSDP / DDP (`parallelize`); `check_context_parallel` says what it runs."""
+    for block in model.layers.values():
+        attention = block.attention
+        attention.kv = GatheredKV(mesh)
+        attention.core = ShardNSACore(attention.core, mesh)
+    model.register_forward_pre_hook(functools.partial(_pass_positions, mesh), with_kwargs=True)

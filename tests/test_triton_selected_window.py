@@ -1,0 +1,178 @@
+"""The fused selected + window kernels (`window_backend = "fused_with_selected"`) under the Triton interpreter (CPU),
+against the reference backend's selected and window branches in fp64 (fp32 kernels: the interpreter's bf16 tl.dot
+is wrong). tests/test_triton_gpu.py runs them compiled, in bf16 too, at real shapes."""
+
+import os
+
+import pytest
+import torch
+
+from nsa_models.args import MAX_FUSED_BLOCKS, ModelArgs, NSAArgs
+from nsa_models.nsa import triton_selected_window as sw
+from nsa_models.nsa.reference import nsa_reference
+from nsa_models.nsa.triton_backend import nsa_triton
+from nsa_models.nsa.triton_selected_window import chosen_bits, selected_window_attention
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
+
+BS = 16  # l'
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def document_starts(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, T] int32: each row cut into documents at random multiples of l'."""
+    doc = torch.zeros(B, T, dtype=torch.int32)
+    for b in range(B):
+        cuts = sorted({c * BS for c in torch.randint(1, max(2, T // BS), (3,), generator=gen).tolist()})
+        for c in cuts:
+            doc[b, c:] = c
+    return doc
+
+
+def random_indices(B: int, H: int, T: int, n: int, doc: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """[B, H, T, n] as the selection gives them: the document's first block and the two most recent forced, random
+    others from the query's document, -1 padding, in random order."""
+    idx = torch.full((B, H, T, n), -1, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                first, cur = int(doc[b, t]) // BS, t // BS
+                chosen = sorted({first, cur, max(cur - 1, first)})
+                rest = [first + j for j in torch.randperm(cur - first + 1, generator=gen).tolist()
+                        if first + j not in chosen]
+                chosen += rest[:n - len(chosen)]
+                row = torch.tensor(chosen + [-1] * (n - len(chosen)))
+                idx[b, h, t] = row[torch.randperm(n, generator=gen)]
+    return idx
+
+
+def reference_branches(q, k, v, idx, window, doc):
+    """The reference's selected and window outputs: gates (0, 1, 0) and (0, 0, 1), no compressed block."""
+    B, T, HQ, D = q.shape
+    empty = q.new_zeros(B, 0, k.shape[2], D)
+    args = NSAArgs(cmp_block_size=BS, cmp_stride=BS, sel_block_size=BS, n_selected=idx.shape[-1], window_size=window)
+    outs = []
+    for branch in (1, 2):
+        gates = torch.zeros(B, T, HQ, 3, dtype=q.dtype)
+        gates[..., branch] = 1
+        outs.append(nsa_reference(q, k, v, k, v, empty, empty, gates, args, idx, doc_start=doc)[0])
+    return outs
+
+
+# keys: keys a step (64: four selection blocks of the tests' l' = 16; 16: one).
+@pytest.mark.parametrize("B,T,G,D,n,window,documents,keys", [
+    (1, 10, 1, 16, 3, 4, False, 64),     # T < l': one partial block
+    (2, 37, 2, 16, 3, 20, False, 16),    # T not a multiple of l'
+    (1, 70, 3, 16, 4, 24, True, 64),     # 21 queries a tile: a tile straddles blocks; documents
+    (1, 70, 3, 16, 4, 24, True, 16),
+    (1, 80, 4, 16, 6, 40, False, 64),
+    (1, 50, 16, 16, 3, 16, True, 16),    # 4 queries a tile
+    (1, 45, 1, 64, 3, 33, False, 64),    # D = 64; 64 queries a tile
+    (1, 48, 3, 64, 4, 24, True, 64),
+])
+def test_selected_window_matches_reference(B, T, G, D, n, window, documents, keys, monkeypatch):
+    for launch in (sw.FWD_LAUNCH, sw.DQ_LAUNCH, sw.DKDV_LAUNCH):
+        monkeypatch.setitem(launch, "keys", keys)
+    gen = torch.Generator().manual_seed(T * 10 + G)
+    H = 2
+    q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    k = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
+    doc = document_starts(B, T, gen) if documents else None
+    idx = random_indices(B, H, T, n, doc if documents else torch.zeros(B, T, dtype=torch.int32), gen)
+    want = reference_branches(q, k, v, idx, window, doc)
+
+    qx, kx, vx = (x.detach().float().requires_grad_() for x in (q, k, v))
+    got = selected_window_attention(qx, kx, vx, idx, BS, window, doc_start=doc)
+    for name, g, w in zip(("o_slc", "o_win"), got, want):
+        assert rel_err(g, w) <= 1e-5, f"{name}: rel err {rel_err(g, w):.2e}"
+    cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    grads = torch.autograd.grad(sum((g * c.float()).sum() for g, c in zip(got, cots)), (qx, kx, vx))
+    want_grads = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cots)), (q, k, v))
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert rel_err(g, w) <= 1e-5, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_one_branch_gradient_alone():
+    """A cotangent on one branch only: the other branch's terms must add nothing to dQ, dK and dV."""
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, G, D, window = 1, 40, 1, 2, 16, 12
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=torch.float64).requires_grad_()
+               for h in (H * G, H, H))
+    idx = random_indices(B, H, T, 3, torch.zeros(B, T, dtype=torch.int32), gen)
+    want = reference_branches(q, k, v, idx, window, None)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    got = selected_window_attention(q32, k32, v32, idx, BS, window)
+    for branch in (0, 1):
+        grads = torch.autograd.grad(got[branch].sum(), (q32, k32, v32), retain_graph=True)
+        want_grads = torch.autograd.grad(want[branch].sum(), (q, k, v), retain_graph=True)
+        for name, g, w in zip("qkv", grads, want_grads):
+            assert rel_err(g, w) <= 1e-4, f"branch {branch} d{name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_chosen_bits_mark_exactly_the_chosen_blocks():
+    """Bit j is set iff block j is among the query's blocks (bit 63, the sign, included; -1 padding sets none)."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, n = 1, 2, 64, 9
+    idx = torch.stack([torch.randperm(T, generator=gen)[:n] for _ in range(B * H * T)]).view(B, H, T, n)
+    idx[0, 0, 0, :3] = torch.tensor([0, 62, 63])
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.3, -1)
+    bits = chosen_bits(idx)
+    assert bits.shape == (B, H, T) and bits.min() < 0
+    for b, h, t in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(T)).tolist():
+        want = {j for j in idx[b, h, t].tolist() if j >= 0}
+        assert {i for i in range(64) if (bits[b, h, t].item() >> i) & 1} == want, (b, h, t)
+
+
+def test_backend_matches_reference():
+    """The whole `triton` backend with the fused window, against the reference: output and every gradient (the
+    gates' included), with documents."""
+    args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=BS, n_selected=3, window_size=24,
+                   window_backend="fused_with_selected", query_chunk=40)
+    B, T, H, G, D = 1, 80, 2, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.where(torch.arange(T) < 48, 0, 48).to(torch.int32).view(B, T)  # two documents with compressed blocks
+    kv = [torch.randn(B, T, H, D, generator=gen) for _ in range(2)]
+    cmp = [torch.randn(B, args.num_cmp_blocks(T), H, D, generator=gen) for _ in range(2)]
+    q = torch.randn(B, T, H * G, D, generator=gen) * 3.0
+    gates = torch.rand(B, T, H * G, 3, generator=gen)
+    inputs = [x.requires_grad_() for x in (q, *kv, *cmp, gates)]
+    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
+
+    def call(backend, xs, idx=None):
+        q, k, v, kc, vc, g = xs
+        return backend(q, k, v, k, v, kc, vc, g, args, idx, doc_start=doc)
+
+    out, idx, _ = call(nsa_triton, inputs)
+    _, want_idx, _ = call(nsa_reference, inputs)
+    assert torch.equal(idx, want_idx)
+    want, *_ = call(nsa_reference, inputs64, want_idx)
+    assert rel_err(out, want) <= 1e-4
+    cot = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * cot.float()).sum(), inputs)
+    want_grads = torch.autograd.grad((want * cot).sum(), inputs64)
+    for name, g, w in zip(["q", "k", "v", "k_cmp", "v_cmp", "gates"], grads, want_grads):
+        assert rel_err(g, w) <= 1e-4, f"grad of {name}: rel err {rel_err(g, w):.2e}"
+
+
+def test_refusals():
+    """Separate window K/V, or more selection blocks than the sweep takes: one line naming the key and the fix."""
+    args = NSAArgs(sel_block_size=BS, window_backend="fused_with_selected")
+    x, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16)
+    with pytest.raises(ValueError, match="separate_kv = false"):
+        nsa_triton(x, k, k, k.clone(), k, k[:, :0], k[:, :0], torch.zeros(1, 8, 2, 3), args)
+    T = MAX_FUSED_BLOCKS * BS + 1
+    with pytest.raises(ValueError, match="window_backend to 'flex'"):
+        selected_window_attention(torch.zeros(1, T, 1, 16), torch.zeros(1, T, 1, 16), torch.zeros(1, T, 1, 16),
+                                  torch.zeros(1, 1, T, 3, dtype=torch.int64), BS, 8)
+    for nsa, key in [(NSAArgs(backend="triton", window_backend="fused_with_selected", separate_kv=True),
+                      "separate_kv = false"),
+                     (NSAArgs(backend="triton", window_backend="fused_with_selected"), "lower model.max_seq_len")]:
+        with pytest.raises(ValueError, match=key):
+            ModelArgs(attention="nsa", nsa=nsa, max_seq_len=64 * MAX_FUSED_BLOCKS + 1).validate()
+    ModelArgs(attention="nsa", nsa=NSAArgs(backend="triton", window_backend="fused_with_selected"),
+              max_seq_len=64 * MAX_FUSED_BLOCKS).validate()
