@@ -180,8 +180,8 @@ class SequenceKV(nn.Module):
 
 
 class NSACore(nn.Module):
-    """`nsa_attention` as a parameter-free module (same tensors in and out), so that a plan can swap it from
-    outside: context parallelism gives the queries of a shard their positions in the gathered sequence."""
+    """`nsa_attention` and its telemetry row (`nsa_stats`) as a parameter-free module, so that a plan can swap it
+    from outside: context parallelism gives the queries of a shard their positions in the gathered sequence."""
 
     def __init__(self, args: NSAArgs):
         super().__init__()
@@ -189,10 +189,11 @@ class NSACore(nn.Module):
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """`nsa_attention`'s outputs for its inputs, with this layer's `NSAArgs`."""
-        return nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa, window_mask=window_mask,
-                             doc_start=doc_start)
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`nsa_attention`'s output for its inputs, with this layer's `NSAArgs`, and the layer's telemetry row."""
+        out, block_indices, cmp_entropy = nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa,
+                                                        window_mask=window_mask, doc_start=doc_start)
+        return out, nsa_stats(gates, block_indices, cmp_entropy, self.nsa, doc_start)
 
 
 class NSAAttention(DenseAttention):
@@ -230,9 +231,9 @@ class NSAAttention(DenseAttention):
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
         if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
             gates = F.pad(gates[..., 2:], (2, 0))
-        out, block_indices, cmp_entropy = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates,
-                                                    window_mask=mask, doc_start=doc_start)
-        return self.wo(out.reshape(B, T, -1)), nsa_stats(gates, block_indices, cmp_entropy, self.nsa, doc_start)
+        out, stats = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, window_mask=mask,
+                               doc_start=doc_start)
+        return self.wo(out.reshape(B, T, -1)), stats
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)

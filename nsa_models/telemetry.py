@@ -26,19 +26,23 @@ def _bin_starts(n_bins: int) -> list[int]:
 
 
 def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: NSAArgs,
-              doc_start: Tensor | None = None) -> Tensor:
+              doc_start: Tensor | None = None, positions: Tensor | None = None,
+              seq_len: int | None = None) -> Tensor:
     """Health telemetry of one NSA layer as a detached fp32 row laid out as NSA_STATS then the histogram counts.
 
     gates [B, T, HQ, 3]; block_indices [B, H, T, n] (-1 = padding); cmp_entropy [B, T, HQ]. Over the selected
     blocks: the share that is forced (block 0, the query's block and the one before) and the distance's mean,
     mean square, max and histogram, in selection blocks (the query's own block is at distance 0). The entropy is
     the mean over the query heads that see at least one compressed block (t >= l - 1). With packed documents
-    (doc_start [B, T]) the forced first block is the document's and t counts from its start. Static shapes and no
-    host sync: it runs inside the compiled step every time, and the trainer reads it now and then.
+    (doc_start [B, T]) the forced first block is the document's and t counts from its start. Queries that are a
+    part of their sequence (context parallelism's shard) pass their positions [T] (int64) and the sequence's length
+    `seq_len`, which sizes the histogram; None: positions 0 .. T-1 of a sequence of T. Static shapes and no host
+    sync: it runs inside the compiled step every time, and the trainer reads it now and then.
     """
     B, T, HQ, _ = gates.shape
-    n_sel = args.num_sel_blocks(T)
-    distance = torch.arange(T, device=gates.device)[:, None] // args.sel_block_size - block_indices
+    n_sel = args.num_sel_blocks(T if seq_len is None else seq_len)
+    t = torch.arange(T, device=gates.device) if positions is None else positions
+    distance = t[:, None] // args.sel_block_size - block_indices
     selected = block_indices >= 0
     n_selected = selected.sum()  # > 0: every query selects its own block
     first = 0 if doc_start is None else doc_start[:, None, :, None] // args.sel_block_size
@@ -49,10 +53,10 @@ def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: N
     at_least = torch.stack([(selected & (distance >= start)).sum()
                             for start in _bin_starts(1 + (n_sel - 1).bit_length())])
     counts = at_least - F.pad(at_least[1:], (0, 1))
-    if doc_start is None:
+    if doc_start is None and positions is None:
         entropy = cmp_entropy[:, args.cmp_block_size - 1:].sum() / max(1, B * max(0, T - args.cmp_block_size + 1) * HQ)
-    else:  # a query that sees no compressed block has entropy 0: only the count needs the documents
-        seeing = torch.arange(T, device=gates.device) - doc_start >= args.cmp_block_size - 1
+    else:  # a query that sees no compressed block has entropy 0: only the count needs the positions
+        seeing = (t - (0 if doc_start is None else doc_start) >= args.cmp_block_size - 1).expand(B, T)
         entropy = cmp_entropy.sum() / (seeing.sum() * HQ).clamp_min(1)
     means = torch.stack([forced.sum() / n_selected, distance.sum() / n_selected,
                          distance.square().sum() / n_selected, distance.amax(), entropy])

@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from nsa_models.args import ModelArgs
 from nsa_models.model import NSACore, SequenceKV
 from nsa_models.nsa.reference import nsa_reference
+from nsa_models.telemetry import nsa_stats
 from parallelisms.config import PlanError
 
 
@@ -98,16 +99,18 @@ class ShardNSACore(NSACore):
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """NSACore's outputs for the shard's queries. window_mask and doc_start are None: `check_context_parallel`
-        refuses the triton backend (the only one with a window mask) and data.document_mask."""
+                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """NSACore's outputs for the shard's queries, the telemetry at their global positions. window_mask and
+        doc_start are None: `check_context_parallel` refuses the triton backend (the only one with a window mask)
+        and data.document_mask."""
         C = q.shape[1] // 2
         parts = [nsa_reference(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
                                gates[:, i * C:(i + 1) * C], self.nsa, q_start=chunk * C)
                  for i, chunk in enumerate(self.chunks)]
         # out [B, C, HQ, D], block indices [B, H, C, n], entropy [B, C, HQ]: the two chunks in shard order
         out, idx, entropy = (torch.cat(pieces, dim) for pieces, dim in zip(zip(*parts), (1, 2, 1)))
-        return out, idx, entropy
+        positions = torch.cat([torch.arange(chunk * C, (chunk + 1) * C, device=q.device) for chunk in self.chunks])
+        return out, nsa_stats(gates, idx, entropy, self.nsa, positions=positions, seq_len=k_slc.shape[1])
 
 
 def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -252,3 +252,29 @@ def test_trainer_with_cp_matches_one_process(tmp_path):
     for tag in ("train/loss", "eval/loss", "train/grad_norm"):
         got, want = logged["cp"][tag], logged["single"][tag]
         assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), tag
+
+
+@pytest.mark.slow
+def test_killed_cp_run_resumes_bitwise(tmp_path):
+    """A CP run whose rank 1 is killed (SIGKILL) in step 5, started again with the same command, resumes from its
+    step-4 checkpoint and logs bitwise the losses of the run that was never interrupted."""
+    common = [RECIPE, "--data.source", "synthetic", "--data.seq_len", "256", "--training.steps", "6",
+              "--training.global_batch_tokens", "1024", "--training.micro_batch_size", "4",
+              "--training.eval_interval", "0", "--checkpoint.interval", "2", "--metrics.log_freq", "1",
+              "--lr_scheduler.warmup_steps", "2", *CP2]
+
+    def launch_run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nsa_training.launch", *common, "--job.run_dir", str(run_dir),
+                               *extra], cwd=REPO, env={**env(), "NGPU": "2"}, capture_output=True, text=True,
+                              timeout=300)
+
+    whole = launch_run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    killed = launch_run(tmp_path / "killed", "--debug.fault_rank", "1", "--debug.die_at_step", "5")
+    assert killed.returncode != 0
+    resumed = launch_run(tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    want = scalars(event_files(tmp_path / "whole")[-1])["train/loss"]
+    got = scalars(event_files(tmp_path / "killed")[-1])["train/loss"]
+    assert sorted(got) == [5, 6], got  # the second start began from step 4's checkpoint
+    assert all(got[step] == want[step] for step in got), (got, want)

@@ -169,3 +169,37 @@ def test_train_writes_nsa_scalars_and_histograms(tmp_path):
         buckets = histograms[f"nsa/slc_distance_hist/layer{i}"][4]  # rows [left, right, count]
         assert buckets[:, 2].sum() == B * H * n_selected
         assert buckets[0, 2] == B * H * T  # every query selects its own block: distance 0
+
+
+def test_stats_of_a_shard_count_from_its_global_positions():
+    """A context-parallel shard (rows 0-15 and 48-63 of 64): given their positions and the sequence's length, the
+    telemetry is the brute-force one of those rows at those positions, histogram bins included; counted from 0
+    instead, the distances come out otherwise."""
+    from nsa_models.telemetry import nsa_stats
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, HQ, n = 1, 64, 2, 4, 4
+    args, lp, l = TINY_NSA, TINY_NSA.sel_block_size, TINY_NSA.cmp_block_size
+    idx = torch.full((B, H, T, n), -1, dtype=torch.int64)
+    for h in range(H):
+        for t in range(T):
+            chosen = torch.randperm(t // lp + 1, generator=gen)[:n]
+            idx[0, h, t, :len(chosen)] = chosen.sort().values
+    gates = torch.rand(B, T, HQ, 3, generator=gen)
+    entropy = torch.rand(B, T, HQ, generator=gen) * (torch.arange(T) >= l - 1)[None, :, None]
+    rows = torch.cat([torch.arange(0, 16), torch.arange(48, 64)])
+
+    got = nsa_stats(gates[:, rows], idx[:, :, rows], entropy[:, rows], args, positions=rows, seq_len=T)
+    distances, forced = [], 0
+    for h in range(H):
+        for t in rows.tolist():
+            for j in (j for j in idx[0, h, t].tolist() if j >= 0):
+                distances.append(t // lp - j)
+                forced += j in (0, t // lp, t // lp - 1)
+    counts = [sum(1 for d in distances if d.bit_length() == k) for k in range(1 + ((T - 1) // lp).bit_length())]
+    seeing = rows[rows >= l - 1]
+    want = [*gates[:, rows].mean((0, 1, 2)).tolist(), forced / len(distances), sum(distances) / len(distances),
+            sum(d * d for d in distances) / len(distances), max(distances), entropy[:, seeing].mean().item(), *counts]
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
+    local = nsa_stats(gates[:, rows], idx[:, :, rows], entropy[:, rows], args)
+    assert local[NSA_STATS.index("slc_distance_blocks")] != pytest.approx(want[NSA_STATS.index("slc_distance_blocks")])
