@@ -7,6 +7,8 @@
     python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's:
                                 # wall clock, GPU kernel time, and the fwd+bwd replayed as one CUDA graph
     python bench/attention.py --core-only --documents 1 16 --seq-lens 8192 65536   # what document masking costs
+    python bench/attention.py --fused --batch 16 --heads 12 --head-dim 64 --seq-lens 2048   # nsa-125m's selected and
+                                # window branches, separately and in one sweep (window_backend fused_with_selected)
 
 Rows, milliseconds (medians of triton.testing.do_bench), forward and forward+backward, NSA at 32/16/64/16/512:
 - per branch of the `triton` backend: compressed attention (--cmp-backend: Triton, or FlashAttention-4 over
@@ -43,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from triton.runtime.jit import JITFunction
 
-from nsa_models.args import ModelArgs, NSAArgs
+from nsa_models.args import MAX_FUSED_BLOCKS, ModelArgs, NSAArgs
 from nsa_models.flops import mean_keys_per_query
 from nsa_models.nsa import (
     check_backend,
@@ -154,6 +156,32 @@ def selected_functions(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Callable[[]
         functions["fla selected (ParallelNSAFunction)"] = lambda: ParallelNSAFunction.apply(
             q, k, v, fla_idx, NSA.n_selected, block, scale, None)
     return functions
+
+
+def _separate_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: BlockMask | None) -> Tensor:
+    return selected_attention(q, k, v, idx, NSA.sel_block_size) + window_attention(q, k, v, FLEX_WINDOW, mask)
+
+
+def _fused_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
+    o_slc, o_win = selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size)
+    return o_slc + o_win
+
+
+compiled_separate = torch.compile(_separate_branches, fullgraph=True, dynamic=False)
+compiled_fused = torch.compile(_fused_branches, fullgraph=True, dynamic=False)
+
+
+def branch_pair_rows(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, float | str, float | str]]:
+    """The selected and window branches on random valid blocks, their outputs summed, compiled: separately (the
+    selected kernels and the FlexAttention window, as the model runs them) and in one sweep
+    (`window_backend = "fused_with_selected"`, up to MAX_FUSED_BLOCKS selection blocks)."""
+    B, T, _, _ = q.shape
+    idx = random_block_indices(B, k.shape[2], T, NSA.n_selected, NSA.sel_block_size, q.device)
+    mask = window_mask(T, FLEX_WINDOW, q.device)
+    rows = [("separate", *time_ms(lambda: compiled_separate(q, k, v, idx, mask), [q, k, v]))]
+    fits = triton.cdiv(T, NSA.sel_block_size) <= MAX_FUSED_BLOCKS
+    rows.append(("fused", *(time_ms(lambda: compiled_fused(q, k, v, idx), [q, k, v]) if fits else ("-", "-"))))
+    return rows
 
 
 def selected_rows(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, float | str, float | str]]:
@@ -362,6 +390,8 @@ def main() -> None:
                         help="only the compiled core (and its --documents rows): no branch, baseline or fla rows")
     parser.add_argument("--selected", action="store_true",
                         help="only the selected branch: ours eager and compiled, and fla's kernels (G >= 16)")
+    parser.add_argument("--fused", action="store_true",
+                        help="only the selected and window branches: separate kernels against one fused sweep")
     parser.add_argument("--profile", action="store_true",
                         help="also, per length, the GPU time of one whole-core fwd+bwd per kernel")
     args = parser.parse_args()
@@ -392,6 +422,15 @@ def main() -> None:
                      for name, fn in selected_functions(q, k, v).items()}
             print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 4))
                                           for name in SELECTED_NAMES) + " |", flush=True)
+        return
+    if args.fused:  # per T: the two branches separately and fused, fwd / fwd+bwd, and fused over separate
+        print("\n| T | separate: fwd / fwd+bwd | fused: fwd / fwd+bwd | fused / separate (fwd+bwd) |\n"
+              "|---|---|---|---|")
+        for T in args.seq_lens:
+            q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
+            (_, *separate), (_, *fused) = branch_pair_rows(q, k, v)
+            print(f"| {T} | {' / '.join(map(_ms, separate))} | {' / '.join(map(_ms, fused))} | "
+                  f"{ratio(fused[1], separate[1])} |", flush=True)
         return
     for T in args.seq_lens:
         rows = bench_length(T, args.batch, HQ, H, D, args.documents, args.core_only)

@@ -1,12 +1,21 @@
-"""bench/attention.py's arithmetic on CPU: the CUDA occupancy calculator's counts for an H100 / H200 SM, and the
-documents its masking rows time."""
+"""bench/attention.py's arithmetic on CPU: the CUDA occupancy calculator's counts for an H100 / H200 SM, the
+documents its masking rows time, and that its --fused rows time the same outputs."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from bench.attention import NSA, equal_documents, programs_per_sm
+from bench.attention import (
+    NSA,
+    _fused_branches,
+    _separate_branches,
+    equal_documents,
+    programs_per_sm,
+    random_block_indices,
+)
 
 HOPPER_SM = {"threads": 2048, "registers": 65536, "shared": 233472}
 
@@ -33,3 +42,15 @@ def test_equal_documents_start_on_selection_blocks(T, n_docs, expected):
     assert (doc_start[0].diff() >= 0).all() and doc_start[0].unique().numel() == expected
     starts = doc_start[0].unique()
     assert torch.equal(doc_start[0][starts.long()], starts)  # each document begins at its own start
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need the interpreter")
+def test_fused_rows_time_the_same_outputs():
+    """--fused compares like with like: the separate branches and the fused sweep it times sum to the same output
+    (T = 300: 5 selection blocks, the window of 512 covers every prefix)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 300, 2, 16, generator=gen)
+    k, v = (torch.randn(1, 300, 1, 16, generator=gen) for _ in range(2))
+    idx = random_block_indices(1, 1, 300, NSA.n_selected, NSA.sel_block_size, "cpu")
+    torch.testing.assert_close(_fused_branches(q, k, v, idx), _separate_branches(q, k, v, idx, None),
+                               rtol=1e-4, atol=1e-5)
