@@ -17,8 +17,7 @@ import os
 import sys
 
 from nsa_training.config import ConfigError, config_to_toml, help_text, help_topic, load_config
-from nsa_training.exit_codes import BAD_INPUT_EXIT_CODE
-from nsa_training.watchdog import RunFailed, exit_with_launcher, report_error
+from nsa_training.watchdog import RunFailed, exit_with_launcher, report_failure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return Trainer(config).train()
     except (ConfigError, RunFailed) as e:
-        code = BAD_INPUT_EXIT_CODE if isinstance(e, ConfigError) else e.exit_code
-        report_error(str(e), code)
-        return code
+        return report_failure(e)
 
 
 def exit_now(code: int) -> None:

@@ -19,6 +19,7 @@ import sys
 
 from benchmarking.sweep import Overrides, add_sweep_arguments, parse_override, sweep_from_args
 from nsa_training.config import ConfigError
+from nsa_training.watchdog import report_failure
 
 
 def parse_grid(text: str) -> list[Overrides]:
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep_from_args(args, args.recipe, [parse_grid(text) for text in args.grid])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_failure(e)
     return 0
 
 

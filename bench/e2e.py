@@ -24,6 +24,7 @@ import sys
 
 from benchmarking.sweep import SYNTHETIC_DATA, add_sweep_arguments, sweep_from_args
 from nsa_training.config import ConfigError
+from nsa_training.watchdog import report_failure
 
 
 def seq_len_axis(seq_lens: list[int], tokens_per_micro_batch: int) -> list[dict[str, str]]:
@@ -66,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         axes = [[{"model.flavor": f} for f in args.flavors], seq_len_axis(args.seq_lens, args.tokens_per_micro_batch)]
         rows = sweep_from_args(args, args.recipe, axes)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_failure(e)
     table = ratio_table(rows, args.flavors, args.seq_lens)
     (args.out / "e2e.md").write_text(table)
     print("\n" + table, flush=True)

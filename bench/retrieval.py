@@ -31,6 +31,7 @@ from benchmarking.sweep import add_sweep_arguments, machine, sweep_from_args
 from nsa_training.config import ConfigError, load_config
 from nsa_training.inference import score_passkey
 from nsa_training.passkey import PasskeyScore
+from nsa_training.watchdog import report_failure
 
 # The arms, each the one set of overrides that makes it: NSA as the recipe has it, the window branch alone, dense.
 ARMS = {
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                 samples=args.samples, key_digits=args.key_digits, seed=args.seed, device=device)[0]
                   for row in rows]
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_failure(e)
     # The sweep's rows are the arms' seeds in order: arm-major, as the grid's first axis.
     grids = {arm: accuracy_grid(scores[i * args.seeds:(i + 1) * args.seeds]) for i, arm in enumerate(ARMS)}
     header = (f"Passkey accuracy, {args.samples} keys of {args.key_digits} digits per cell, after {args.steps} steps "

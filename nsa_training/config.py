@@ -25,8 +25,14 @@ from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from nsa_models.args import FLAVORS, TRITON_MAX_BATCH_HEADS, ModelArgs, get_flavor
-from parallelisms.config import ActivationCheckpointConfig, CompileConfig, Float8Config, ParallelismConfig, PlanError
-from parallelisms.context_parallel import check_context_parallel
+from parallelisms.config import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    Float8Config,
+    ParallelismConfig,
+    PlanError,
+    check_context_parallel,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib

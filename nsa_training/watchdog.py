@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from nsa_training.config import Config, ConfigError
-from nsa_training.exit_codes import COLLECTIVE_EXIT_CODE, HANG_EXIT_CODE, OOM_EXIT_CODE
+from nsa_training.exit_codes import BAD_INPUT_EXIT_CODE, COLLECTIVE_EXIT_CODE, HANG_EXIT_CODE, OOM_EXIT_CODE
 from parallelisms.compile import CUDA_GRAPH_MODES
 
 LAUNCHER_PID = "NSA_LAUNCHER_PID"  # set by nsa_training/launch.py for its workers
@@ -145,6 +145,14 @@ class RunFailed(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def report_failure(error: ConfigError | RunFailed) -> int:
+    """End a command on `error`: its one `error:` line (`report_error`), and its exit status: BAD_INPUT_EXIT_CODE for
+    bad input (ConfigError), a RunFailed's own otherwise. Every command (train.py, scripts/, bench/) ends this way."""
+    code = BAD_INPUT_EXIT_CODE if isinstance(error, ConfigError) else error.exit_code
+    report_error(str(error), code)
+    return code
 
 
 class MemorySnapshots:

@@ -2,8 +2,8 @@
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import CUDA_GRAPH_MODES, apply_compile, compile_counters, compile_loss, resolve_compile_mode
-from parallelisms.config import PlanError
-from parallelisms.context_parallel import apply_cp, check_context_parallel, shard_sequence
+from parallelisms.config import PlanError, check_context_parallel
+from parallelisms.context_parallel import apply_cp, shard_sequence
 from parallelisms.data_parallel import apply_ddp, apply_fsdp, prepare_micro_batch
 from parallelisms.float8 import apply_float8
 from parallelisms.parallel_dims import ParallelDims, build_mesh

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from nsa_models.args import ModelArgs
+
 
 class PlanError(ValueError):
     """A plan that cannot run here (`check_plan`, `apply_float8`): one line naming the key and the fix."""
@@ -81,3 +83,26 @@ class Float8Config:
     """torchao float8 scaling recipe."""
     min_features: int = field(default=1024, metadata={"ge": 0})
     """Linears whose in or out features are below this stay in high precision (too small to gain)."""
+
+
+def check_context_parallel(degree: int, model: ModelArgs, seq_len: int, document_mask: bool) -> None:
+    """Raise PlanError (one line naming the key and the fix) for a CP degree this model or length cannot run."""
+    if degree == 1:
+        return
+    key = f"parallelism.context_parallel_degree = {degree}"
+    if model.attention != "nsa":
+        raise PlanError(f"{key} needs NSA attention: dense attention (model.flavor = {model.flavor!r}) has no "
+                        "context-parallel implementation here; use an NSA flavor or context_parallel_degree = 1")
+    if model.nsa.backend != "reference":
+        raise PlanError(f"{key} needs model.nsa.backend = 'reference': the {model.nsa.backend} kernels take no query "
+                        "offset yet (a shard's queries start mid-sequence); set --model.nsa.backend reference or "
+                        "context_parallel_degree = 1")
+    if document_mask:
+        raise PlanError(f"{key} with data.document_mask = true is not implemented (document starts are not sharded): "
+                        "set data.document_mask = false or context_parallel_degree = 1")
+    # Whole selection blocks (multiples of the compression stride) per chunk: no block straddles two ranks' queries.
+    chunk = 2 * degree * model.nsa.sel_block_size
+    if seq_len % chunk:
+        raise PlanError(f"data.seq_len = {seq_len} does not split into 2 x parallelism.context_parallel_degree = "
+                        f"{2 * degree} chunks of whole selection blocks (model.nsa.sel_block_size = "
+                        f"{model.nsa.sel_block_size}): make it a multiple of {chunk}")

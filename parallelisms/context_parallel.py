@@ -25,34 +25,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_models.args import ModelArgs
 from nsa_models.model import NSACore, SequenceKV
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.telemetry import nsa_stats
-from parallelisms.config import PlanError
-
-
-def check_context_parallel(degree: int, model: ModelArgs, seq_len: int, document_mask: bool) -> None:
-    """Raise PlanError (one line naming the key and the fix) for a CP degree this model or length cannot run."""
-    if degree == 1:
-        return
-    key = f"parallelism.context_parallel_degree = {degree}"
-    if model.attention != "nsa":
-        raise PlanError(f"{key} needs NSA attention: dense attention (model.flavor = {model.flavor!r}) has no "
-                        "context-parallel implementation here; use an NSA flavor or context_parallel_degree = 1")
-    if model.nsa.backend != "reference":
-        raise PlanError(f"{key} needs model.nsa.backend = 'reference': the {model.nsa.backend} kernels take no query "
-                        "offset yet (a shard's queries start mid-sequence); set --model.nsa.backend reference or "
-                        "context_parallel_degree = 1")
-    if document_mask:
-        raise PlanError(f"{key} with data.document_mask = true is not implemented (document starts are not sharded): "
-                        "set data.document_mask = false or context_parallel_degree = 1")
-    # Whole selection blocks (multiples of the compression stride) per chunk: no block straddles two ranks' queries.
-    chunk = 2 * degree * model.nsa.sel_block_size
-    if seq_len % chunk:
-        raise PlanError(f"data.seq_len = {seq_len} does not split into 2 x parallelism.context_parallel_degree = "
-                        f"{2 * degree} chunks of whole selection blocks (model.nsa.sel_block_size = "
-                        f"{model.nsa.sel_block_size}): make it a multiple of {chunk}")
 
 
 def _chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -101,8 +76,8 @@ class ShardNSACore(NSACore):
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
                 doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """NSACore's outputs for the shard's queries, the telemetry at their global positions. window_mask and
-        doc_start are None: `check_context_parallel` refuses the triton backend (the only one with a window mask)
-        and data.document_mask."""
+        doc_start are None: `parallelisms.config.check_context_parallel` refuses the triton backend (the only one
+        with a window mask) and data.document_mask."""
         C = q.shape[1] // 2
         parts = [nsa_reference(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
                                gates[:, i * C:(i + 1) * C], self.nsa, q_start=chunk * C)
@@ -125,7 +100,8 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Context parallelism over `mesh` (the "cp" dimension) in place: every NSA layer all-gathers its keys and
     values and attends with its shard's queries at their global positions; the model's forward gets the shard's
     token positions. The model then takes `shard_sequence(tokens)` and returns the shard's logits. Apply it to the
-    plain model, before AC, compile and FSDP / DDP (`parallelize`); `check_context_parallel` says what it runs."""
+    plain model, before AC, compile and FSDP / DDP (`parallelize`); `parallelisms.config.check_context_parallel`
+    says what it runs."""
     for block in model.layers.values():
         attention = block.attention
         attention.kv = GatheredKV(mesh)

@@ -17,6 +17,7 @@ import torch
 from nsa_training.config import ConfigError
 from nsa_training.inference import score_passkey
 from nsa_training.passkey import table
+from nsa_training.watchdog import report_failure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                                      samples=args.samples, key_digits=args.key_digits, seed=args.seed,
                                      device=torch.device(args.device))
     except ConfigError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+        return report_failure(e)
     print(f"passkey accuracy of {path} ({args.samples} keys per cell)\n\n{table(scores)}")
     return 0
 

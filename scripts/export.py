@@ -15,6 +15,7 @@ from pathlib import Path
 
 from nsa_training.config import ConfigError
 from nsa_training.hf_export import DTYPES, export_run
+from nsa_training.watchdog import report_failure
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--step {args.step}: must be >= 0")
         path = export_run(args.run_dir, args.out, DTYPES[args.dtype], args.step)
     except ConfigError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+        return report_failure(e)
     print(f"exported {path} to {args.out}")
     return 0
 

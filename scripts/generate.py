@@ -26,6 +26,7 @@ from nsa_models.decoding import decode_step, prefill
 from nsa_models.model import Transformer
 from nsa_training.config import ConfigError
 from nsa_training.inference import load_run
+from nsa_training.watchdog import report_failure
 
 PROGRESS_MIN_TOKENS = 256  # longer generations show a progress bar on stderr
 
@@ -109,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                            seed=args.seed, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
             print(prompt + tokenizer.decode(out[len(ids):]), flush=True)
     except ConfigError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+        return report_failure(e)
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nsa_training.config import ConfigError
 from nsa_training.hf_export import import_export
-from nsa_training.watchdog import RunFailed
+from nsa_training.watchdog import RunFailed, report_failure
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = import_export(args.export_dir, args.run_dir, train_args)
     except (ConfigError, RunFailed) as e:  # as train.py: bad input is 2, a failed write (disk full) 7
-        sys.stderr.write(f"error: {e}\n")
-        return 2 if isinstance(e, ConfigError) else e.exit_code
+        return report_failure(e)
     print(f"imported {args.export_dir} as {path}; train on with the same recipe and overrides and "
           f"--job.run_dir {args.run_dir}")
     return 0

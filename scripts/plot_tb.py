@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_training.config import ConfigError  # noqa: E402
+from nsa_training.watchdog import report_failure  # noqa: E402
 
 Curve = tuple[list[int], list[float]]  # steps, values
 # A tag component naming a layer (`layer3`, `layer_3`): curves differing only there share a subplot.
@@ -111,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--tags-prefix {' '.join(args.tags_prefix)}: no scalar tag of {args.run_dir} starts "
                               "with these; leave it out to plot every scalar")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_failure(e)
     plot(grid, args.out, str(args.run_dir), args.columns)
     print(f"saved {args.out}: {len(grid)} subplots ({', '.join(grid)})")
     return 0
