@@ -23,14 +23,13 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from benchmarking.sweep import add_sweep_arguments, machine, sweep_from_args
 from nsa_training.config import ConfigError, load_config
 from nsa_training.inference import score_passkey
-from nsa_training.passkey import PasskeyScore
+from nsa_training.passkey import PasskeyScore, heat_map_figure
 from nsa_training.watchdog import report_failure
 
 # The arms, each the one set of overrides that makes it: NSA as the recipe has it, the window branch alone, dense.
@@ -72,32 +71,6 @@ def arm_table(grid: Grid) -> str:
         seed_means = [sum(cell[i] for cell in row) / len(row) for i in range(len(row[0]))]
         lines.append(f"| {length} | " + " | ".join(_cell(values) for values in [*row, seed_means]) + " |")
     return "\n".join(lines) + "\n"
-
-
-def save_heat_map(grid: Grid, title: str, path: Path) -> None:
-    """The seeds' mean accuracy as a labelled heat map (rows lengths, columns depths, the value in each cell, a colour
-    bar from 0 to 1), written to `path` (PNG). Needs matplotlib (`pip install -e .[plot]`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths, depth_values = sorted({k[0] for k in grid}), sorted({k[1] for k in grid})
-    mean = [[sum(grid[length, d]) / len(grid[length, d]) for d in depth_values] for length in lengths]
-    fig, ax = plt.subplots(figsize=(1.1 * len(depth_values) + 2.2, 0.6 * len(lengths) + 1.6))
-    image = ax.imshow(mean, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    for i, row in enumerate(mean):
-        for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(depth_values)), [f"{d:.2f}" for d in depth_values])
-    ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
-    ax.set_xlabel("needle depth (0: start of the context, 1: just before the question)")
-    ax.set_ylabel("context length (tokens)")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     saved = [args.out / "retrieval.md"]
     for arm, grid in grids.items():
         saved.append(args.out / f"heat_map_{arm}.png")
-        save_heat_map(grid, f"passkey accuracy, {arm} (window {config.model.nsa.window_size})", saved[-1])
+        mean = {cell: sum(values) / len(values) for cell, values in grid.items()}
+        heat_map_figure(mean, f"passkey accuracy, {arm} (window {config.model.nsa.window_size})").savefig(saved[-1])
     print("\n" + header + tables + f"\nsaved {', '.join(map(str, saved))}", flush=True)
     return 0
 

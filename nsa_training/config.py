@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -122,7 +123,8 @@ class PasskeyConfig:
     enable: bool = False
     """At every evaluation (`training.eval_interval`) also score passkey retrieval: a key hidden in held-out text,
     asked for at the end (nsa_training/passkey.py). Logs `passkey/accuracy/len<L>`, `passkey/log_likelihood/len<L>`
-    and the image `passkey/accuracy_length_x_depth` (red 0, green 1; rows: lengths, columns: depths)."""
+    and the image `passkey/accuracy_length_x_depth` (a labelled heat map: rows lengths, columns depths, the value in
+    each cell, red 0 to green 1), drawn with matplotlib (`pip install -e '.[plot]'`)."""
     min_length: int = field(default=256, metadata={"gt": 0})
     """Shortest context scored, in tokens; lengths double from here up to `data.seq_len`."""
     depths: int = field(default=5, metadata={"gt": 0})
@@ -387,6 +389,9 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError(f"parallelism.context_parallel_degree = {cp} with passkey.enable = true: passkey scoring "
                           "runs whole sequences of several lengths on every rank, which context parallelism does not "
                           "shard; set passkey.enable = false or context_parallel_degree = 1")
+    if passkey.enable and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("passkey.enable = true draws its heat map with matplotlib, which is not installed: "
+                          "pip install matplotlib (or -e '.[plot]'), or set passkey.enable = false")
     if passkey.enable and passkey.min_length > data.seq_len:
         raise ConfigError(f"passkey.min_length = {passkey.min_length} exceeds data.seq_len = {data.seq_len}: "
                           "lower passkey.min_length")

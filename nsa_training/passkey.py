@@ -12,14 +12,18 @@ plan; the logged scores are the logging rank's, whose filler comes from its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from nsa_training.config import ConfigError
 from nsa_training.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # matplotlib is imported only to draw (config.py checks that it is installed)
+    from matplotlib.figure import Figure
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = " What is the pass key? The pass key is "
@@ -97,16 +101,37 @@ def evaluate_passkey(model: Callable[[torch.Tensor], torch.Tensor], tokenizer: T
 HEAT_MAP_TAG = "passkey/accuracy_length_x_depth"  # the tensorboard image of heat_map()
 
 
-def heat_map(scores: Sequence[PasskeyScore], cell: int = 16) -> torch.Tensor:
-    """Accuracy as an RGB image [3, lengths x cell, depths x cell]: rows are lengths (shortest on top), columns
-    depths (0 left); red is 0, green is 1."""
-    lengths = sorted({s.length for s in scores})
-    depth_values = sorted({s.depth for s in scores})
-    grid = torch.zeros(len(lengths), len(depth_values))
-    for s in scores:
-        grid[lengths.index(s.length), depth_values.index(s.depth)] = s.accuracy
-    image = torch.stack([1 - grid, grid, torch.zeros_like(grid)])
-    return image.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+def heat_map_figure(accuracy: Mapping[tuple[int, float], float], title: str) -> Figure:
+    """Accuracy per (length, depth) as a labelled figure: rows are lengths (shortest on top), columns depths (0
+    left), each cell its value, a colour bar from red (0) to green (1). Drawn off screen (no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    lengths, depth_values = sorted({k[0] for k in accuracy}), sorted({k[1] for k in accuracy})
+    grid = [[accuracy[length, d] for d in depth_values] for length in lengths]
+    fig = Figure(figsize=(max(1.1 * len(depth_values) + 2.2, 5.2), 0.6 * len(lengths) + 1.6), dpi=110,
+                 layout="tight")
+    ax = fig.subplots()
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(depth_values)), [f"{d:.2f}" for d in depth_values])
+    ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_xlabel("needle depth (0: context start, 1: just before the question)")
+    ax.set_ylabel("context length (tokens)")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    return fig
+
+
+def heat_map(scores: Sequence[PasskeyScore], title: str) -> torch.Tensor:
+    """`heat_map_figure` of one evaluation as an RGB image [3, H, W] with values in [0, 1] (tensorboard's format)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(heat_map_figure({(s.length, s.depth): s.accuracy for s in scores}, title))
+    canvas.draw()
+    rgba = torch.frombuffer(bytearray(canvas.buffer_rgba()), dtype=torch.uint8)
+    return rgba.view(canvas.get_width_height()[::-1] + (4,))[..., :3].permute(2, 0, 1).float() / 255
 
 
 def passkey_scalars(scores: Sequence[PasskeyScore]) -> dict[str, float]:

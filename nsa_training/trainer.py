@@ -488,7 +488,7 @@ class Trainer:
                                   device=self.device)
         self.model.train()
         self.metrics.log(self.step, passkey_scalars(scores))
-        self.metrics.log_image(self.step, HEAT_MAP_TAG, heat_map(scores))
+        self.metrics.log_image(self.step, HEAT_MAP_TAG, heat_map(scores, f"passkey accuracy, step {self.step}"))
 
     # -- the loop -----------------------------------------------------------------------------------------------
 

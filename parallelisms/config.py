@@ -85,6 +85,19 @@ class Float8Config:
     """Linears whose in or out features are below this stay in high precision (too small to gain)."""
 
 
+def _check_query_offset(key: str, model: ModelArgs) -> None:
+    """Raise PlanError unless the triton backend's chosen kernels take queries at an offset (a shard's queries start
+    mid-sequence). Imported here, not at the top: only CP recipes on the triton backend need triton loaded."""
+    try:
+        from nsa_models.nsa.triton_backend import check_query_offset
+    except ImportError:  # no triton here: `check_backend` names the fix when the model is built
+        return
+    try:
+        check_query_offset(model.nsa)
+    except ValueError as error:
+        raise PlanError(f"{key}: {error}, or context_parallel_degree = 1") from None
+
+
 def check_context_parallel(degree: int, model: ModelArgs, seq_len: int, document_mask: bool) -> None:
     """Raise PlanError (one line naming the key and the fix) for a CP degree this model or length cannot run."""
     if degree == 1:
@@ -93,10 +106,8 @@ def check_context_parallel(degree: int, model: ModelArgs, seq_len: int, document
     if model.attention != "nsa":
         raise PlanError(f"{key} needs NSA attention: dense attention (model.flavor = {model.flavor!r}) has no "
                         "context-parallel implementation here; use an NSA flavor or context_parallel_degree = 1")
-    if model.nsa.backend != "reference":
-        raise PlanError(f"{key} needs model.nsa.backend = 'reference': the {model.nsa.backend} kernels take no query "
-                        "offset yet (a shard's queries start mid-sequence); set --model.nsa.backend reference or "
-                        "context_parallel_degree = 1")
+    if model.nsa.backend == "triton":
+        _check_query_offset(key, model)
     if document_mask:
         raise PlanError(f"{key} with data.document_mask = true is not implemented (document starts are not sharded): "
                         "set data.document_mask = false or context_parallel_degree = 1")

@@ -8,7 +8,9 @@ shards inputs and labels that way (`shard_sequence`). In every layer the ranks a
 straddle the chunks). Each rank then computes the compressed keys of the whole sequence and attends with its own
 queries at their global positions: the compressed branch, the top-n selection (local: a query's selection depends
 only on its own compressed scores) and the window, whose keys in earlier chunks are in the gathered sequence.
-The all-gather's backward reduce-scatters the key/value gradients back to the ranks that own them.
+The all-gather's backward reduce-scatters the key/value gradients back to the ranks that own them. The NSA core
+runs the configured backend with the chunk's first position (`nsa_attention(..., q_start=)`): the reference, or the
+triton kernels with the FlexAttention (or SDPA) window, whose per-chunk masks the model's pre-hook builds.
 
 Gradients: each rank's loss is the mean over its tokens, and every shard holds as many labelled tokens (no
 padding: `data.document_mask` is refused), so the mean of the CP ranks' gradients is the one-process gradient;
@@ -26,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.model import NSACore, SequenceKV
-from nsa_models.nsa.reference import nsa_reference
+from nsa_models.nsa import nsa_attention, window_mask
 from nsa_models.telemetry import nsa_stats
 
 
@@ -46,7 +48,7 @@ def _gather_sequence(x: Tensor, mesh: DeviceMesh) -> Tensor:
     the backward reduce-scatters the gradient (each rank gets the sum of every rank's gradient for its shard)."""
     cp = mesh.size()
     # Sequence first: the autograd all-gather concatenates along dim 0 only. Rank order: rank r's two chunks.
-    gathered = funcol.all_gather_single_autograd(x.movedim(1, 0).contiguous(), gather_dim=0, group=mesh)
+    gathered = funcol.all_gather_tensor_autograd(x.movedim(1, 0).contiguous(), gather_dim=0, group=mesh)
     pieces = gathered.unflatten(0, (2 * cp, -1))
     where = {chunk: 2 * rank + i for rank in range(cp) for i, chunk in enumerate(_chunks(cp, rank))}
     return torch.cat([pieces[where[chunk]] for chunk in range(2 * cp)]).movedim(0, 1)
@@ -65,23 +67,35 @@ class GatheredKV(SequenceKV):
 
 class ShardNSACore(NSACore):
     """NSACore for a shard's queries (its two chunks) against the gathered sequence: each chunk is one call of the
-    reference NSA with the chunk's first position (`q_start`), so its causal masks, window and top-n candidates are
-    those of its global positions."""
+    configured NSA backend with the chunk's first position (`q_start`), so its causal masks, window and top-n
+    candidates are those of its global positions."""
 
     def __init__(self, core: NSACore, mesh: DeviceMesh):
         super().__init__(core.nsa)
-        self.chunks = _chunks(mesh.size(), mesh.get_local_rank())
+        self.cp = mesh.size()
+        self.chunks = _chunks(self.cp, mesh.get_local_rank())
+        self.window_masks: tuple[BlockMask | None, ...] = (None, None)
+
+    def build_window_masks(self, seq_len: int, device: torch.device) -> None:
+        """The chunks' FlexAttention window masks for sequences of seq_len tokens (None where the backend needs
+        none). The model's pre-hook calls it, outside compiled and checkpointed code: built inside a checkpointed
+        compiled block a mask fails in Dynamo, and the model's own mask (`window_mask` of the shard's length) has
+        neither the chunks' offsets nor the gathered keys' length. Eager masks are cached: the same objects every
+        step, so compiled blocks that read them do not recompile."""
+        C = seq_len // (2 * self.cp)
+        self.window_masks = tuple(window_mask(C, self.nsa, device, q_start=chunk * C, kv_len=seq_len)
+                                  for chunk in self.chunks)
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
                 doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """NSACore's outputs for the shard's queries, the telemetry at their global positions. window_mask and
-        doc_start are None: `parallelisms.config.check_context_parallel` refuses the triton backend (the only one
-        with a window mask) and data.document_mask."""
+        """NSACore's outputs for the shard's queries, the telemetry at their global positions. The model's
+        window_mask (of the shard's length) is not used: the chunks take theirs (`build_window_masks`). doc_start
+        is None: `parallelisms.config.check_context_parallel` refuses data.document_mask."""
         C = q.shape[1] // 2
-        parts = [nsa_reference(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
-                               gates[:, i * C:(i + 1) * C], self.nsa, q_start=chunk * C)
-                 for i, chunk in enumerate(self.chunks)]
+        parts = [nsa_attention(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
+                               gates[:, i * C:(i + 1) * C], self.nsa, window_mask=mask, q_start=chunk * C)
+                 for i, (chunk, mask) in enumerate(zip(self.chunks, self.window_masks))]
         # out [B, C, HQ, D], block indices [B, H, C, n], entropy [B, C, HQ]: the two chunks in shard order
         out, idx, entropy = (torch.cat(pieces, dim) for pieces, dim in zip(zip(*parts), (1, 2, 1)))
         positions = torch.cat([torch.arange(chunk * C, (chunk + 1) * C, device=q.device) for chunk in self.chunks])
@@ -89,10 +103,15 @@ class ShardNSACore(NSACore):
 
 
 def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of the model: the global positions of the shard's tokens (its RoPE rows)."""
+    """Forward pre-hook of the model: the global positions of the shard's tokens (its RoPE rows), and the NSA
+    cores' window masks for the whole sequence's length."""
     tokens = args[0]
-    positions = torch.arange(tokens.shape[1] * mesh.size(), device=tokens.device)
+    seq_len = tokens.shape[1] * mesh.size()
+    positions = torch.arange(seq_len, device=tokens.device)
     kwargs["positions"] = shard_sequence(positions[None], mesh)[0]
+    for core in module.modules():
+        if isinstance(core, ShardNSACore):
+            core.build_window_masks(seq_len, tokens.device)
     return args, kwargs
 
 

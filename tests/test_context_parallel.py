@@ -80,8 +80,14 @@ def test_check_plan_rejects_degrees_that_do_not_fit(world_size, parallelism, key
     (["--data.seq_len", "96"], "data.seq_len = 96 does not split into 2 x parallelism.context_parallel_degree = 4 "
                                "chunks of whole selection blocks (model.nsa.sel_block_size = 16): make it a multiple "
                                "of 64"),
-    (["--model.nsa.backend", "triton"], "needs model.nsa.backend = 'reference': the triton kernels take no query "
-                                        "offset yet"),
+    # the triton backend runs CP with the kernels that take a query offset; the others are named with the fix
+    (["--model.nsa.backend", "triton", "--model.nsa.window_backend", "flash_attn"],
+     "parallelism.context_parallel_degree = 2: model.nsa.window_backend = 'flash_attn' takes no query offset (queries "
+     "that start mid-sequence, as context parallelism's): set it to 'flex' or 'sdpa', or context_parallel_degree = 1"),
+    (["--model.nsa.backend", "triton", "--model.nsa.window_backend", "fused_with_selected"],
+     "model.nsa.window_backend = 'fused_with_selected' takes no query offset"),
+    (["--model.nsa.backend", "triton", "--model.nsa.cmp_backend", "flash_attn_4"],
+     "model.nsa.cmp_backend = 'flash_attn_4' takes no query offset"),
     (["--model.flavor", "dense-debug"], "needs NSA attention"),
     (["--data.document_mask", "true"], "with data.document_mask = true is not implemented"),
     (["--passkey.enable", "true"], "with passkey.enable = true"),
@@ -96,8 +102,9 @@ def test_unsupported_cp_recipe_is_one_config_error(argv, message):
     ("3", CP2, "error: parallelism.context_parallel_degree = 2 must divide the world size (3)"),
     ("4", [*CP2, "--parallelism.data_parallel", "hsdp", "--parallelism.dp_replicate", "4"],
      "error: parallelism.dp_replicate = 4 must divide the data-parallel ranks"),
-    ("2", [*CP2, "--model.nsa.backend", "triton"], "error: parallelism.context_parallel_degree = 2 needs "
-                                                   "model.nsa.backend = 'reference'"),
+    ("2", [*CP2, "--model.nsa.backend", "triton", "--model.nsa.window_backend", "flash_attn_4"],
+     "error: parallelism.context_parallel_degree = 2: model.nsa.window_backend = 'flash_attn_4' takes no query "
+     "offset"),
 ])
 def test_launcher_refuses_before_any_process_starts(monkeypatch, capsys, nproc, argv, message):
     monkeypatch.setenv("NGPU", nproc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -10,13 +11,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from nsa_training.config import ConfigError
+from nsa_training.config import ConfigError, load_config
 from nsa_training.passkey import (
     NEEDLE,
     QUESTION,
     depths,
     evaluate_passkey,
     heat_map,
+    heat_map_figure,
     passkey_lengths,
     passkey_sample,
     passkey_scalars,
@@ -80,9 +82,16 @@ def test_a_perfect_reader_scores_one_and_a_blind_model_zero():
 def test_outputs():
     scores = evaluate_passkey(reader(150), TOKENIZER, FILLER, [200, 400], depths(2), samples=1, key_digits=4,
                               seed=0, device=torch.device("cpu"))
-    image = heat_map(scores, cell=4)
-    assert image.shape == (3, 2 * 4, 2 * 4)
-    assert image[1, 0, 0] == scores[0].accuracy and image[0, -1, 0] == 1 - scores[2].accuracy
+    # The heat map: rows lengths (shortest on top), columns depths, each cell's value written in it, a colour bar
+    figure = heat_map_figure({(s.length, s.depth): s.accuracy for s in scores}, "passkey accuracy")
+    ax, colour_bar = figure.axes
+    assert ax.images[0].get_array().tolist() == [[s.accuracy for s in scores[:2]], [s.accuracy for s in scores[2:]]]
+    assert [t.get_text() for t in ax.texts] == [f"{s.accuracy:.2f}" for s in scores]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["200", "400"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.00", "1.00"]
+    assert colour_bar.get_ylabel() == "accuracy"
+    image = heat_map(scores, "passkey accuracy")  # the same drawn for tensorboard: RGB, values in [0, 1]
+    assert image.shape[0] == 3 and min(image.shape[1:]) > 200 and 0 <= image.min() and image.max() <= 1
     values = passkey_scalars(scores)
     assert values["passkey/accuracy/len400"] == pytest.approx((scores[2].accuracy + scores[3].accuracy) / 2)
     assert values["passkey/accuracy"] == pytest.approx(sum(s.accuracy for s in scores) / 4)
@@ -112,15 +121,18 @@ def test_training_logs_passkey_scores_and_the_heat_map(tmp_path):
                   "--passkey.depths", "3", "--passkey.samples", "2", "--job.run_dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     tags = {}
-    images = set()
+    images = {}  # tag -> (width, height)
     for event_file in event_files(tmp_path):
         tags.update(scalars(event_file))
-        images |= {v.tag for e in EventFileLoader(str(event_file)).Load() for v in e.summary.value
-                   if v.metadata.plugin_data.plugin_name == "images" or v.HasField("image")}
+        # the loader gives images in the tensor form: [width, height, PNG] as strings
+        images |= {v.tag: tuple(int(x) for x in v.tensor.string_val[:2])
+                   for e in EventFileLoader(str(event_file)).Load() for v in e.summary.value
+                   if v.metadata.plugin_data.plugin_name == "images"}
     for length in (128, 256):  # doubling from min_length up to data.seq_len
         assert 0 <= tags[f"passkey/accuracy/len{length}"][2] <= 1
         assert tags[f"passkey/log_likelihood/len{length}"][2] < 0
-    assert "passkey/accuracy_length_x_depth" in images
+    width, height = images["passkey/accuracy_length_x_depth"]
+    assert width > 300 and height > 200  # the labelled figure (axes, values, colour bar), not a bare grid of cells
 
 
 @pytest.mark.parametrize("args, key", [(("--passkey.min_length", "512"), "passkey.min_length"),
@@ -131,3 +143,13 @@ def test_passkey_settings_that_cannot_run_are_one_line(tmp_path, args, key):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ") and key in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_passkey_without_matplotlib_is_a_config_error(monkeypatch):
+    """Checked before training, not at the first evaluation: the heat map is drawn with matplotlib."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^passkey.enable = true draws its heat map with matplotlib.*pip install"):
+        load_config([str(REPO / "recipes/debug.toml"), "--passkey.enable", "true"])
+    load_config([str(REPO / "recipes/debug.toml"), "--passkey.enable", "false"])

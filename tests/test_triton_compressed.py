@@ -4,10 +4,13 @@ Kernels run in fp32 (the interpreter's bf16 tl.dot is wrong); the oracle is the 
 tests/test_triton_gpu.py covers the compiled kernels at real shapes.
 """
 
+import functools
 import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import triton_compressed, triton_selection
@@ -90,8 +93,8 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     assert rel_err(entropy, want_entropy) <= 1e-5 if n_cmp else torch.equal(entropy, torch.zeros_like(entropy))
     # The selection's other paths pick the same blocks: 32-bit sort keys (taken for bf16 inputs; no scores here are
     # within 2^-18 of each other), pointer loads of the keys (taken when a tile's blocks exceed one TMA box) and
-    # the loop that skips unseen tiles (taken from G = 16, beyond these cases' groups). One call runs all three:
-    # each selection call takes ~20 s in the interpreter at these shapes.
+    # the loop that skips unseen tiles (taken from G = 16, beyond these cases' groups). One call runs all three: a
+    # selection call is the costliest step of these cases in the interpreter.
     monkeypatch.setattr(triton_selection, "_wide_keys", lambda dtype, n_sel: False)
     monkeypatch.setattr(triton_selection, "_TMA_BOX_ROWS", 0)
     monkeypatch.setattr(triton_selection, "_PIPELINE_MAX_GP", 0)
@@ -119,3 +122,27 @@ def test_rejects_unsupported_shapes():
         compressed_attention_fwd(q, k, k, 36, 12, 0.25)
     with pytest.raises(ValueError, match="at most"):
         select_topn(q, k, torch.zeros(1, 8, 2), 128, 16, 64, 2, 0.25)
+
+
+@triton.jit
+def _xor_sum_and_sort_kernel(X, XOR0, XOR1, SORTED, M: tl.constexpr, N: tl.constexpr):
+    rows, cols = tl.arange(0, M)[:, None], tl.arange(0, N)[None, :]
+    x = tl.load(X + rows * N + cols)
+    tl.store(XOR0 + cols, tl.xor_sum(x, 0, keep_dims=True))
+    tl.store(XOR1 + tl.arange(0, M), tl.xor_sum(x, 1))
+    tl.store(SORTED + rows * N + cols, tl.sort(x, dim=1, descending=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_interpreter_xor_sum_and_sort_match_torch(dtype):
+    """tests/conftest.py gives the interpreter a numpy path for XOR reductions (the sort's compare-and-swap uses
+    them): along either axis, with and without keep_dims, they equal torch's XOR of the slices, and the sort built
+    on them equals torch's (negative keys included, as the selection's -1 padding)."""
+    M, N = 8, 16
+    x = torch.randint(torch.iinfo(dtype).min, torch.iinfo(dtype).max, (M, N), dtype=dtype,
+                      generator=torch.Generator().manual_seed(0))
+    xor0, xor1, got_sorted = torch.empty(N, dtype=dtype), torch.empty(M, dtype=dtype), torch.empty_like(x)
+    _xor_sum_and_sort_kernel[(1,)](x, xor0, xor1, got_sorted, M=M, N=N)
+    assert torch.equal(xor0, functools.reduce(torch.bitwise_xor, x.unbind(0)))
+    assert torch.equal(xor1, functools.reduce(torch.bitwise_xor, x.unbind(1)))
+    assert torch.equal(got_sorted, x.sort(dim=1, descending=True).values)

@@ -66,8 +66,8 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> No
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-                  window_mask: BlockMask | None = None,
-                  doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
+                  q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
     [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
     sees no compressed block (telemetry: `nsa_models.telemetry.nsa_stats`).
@@ -77,21 +77,24 @@ def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     gates for (cmp, slc, win). Pass block_indices to attend to given blocks instead of selecting, and the
     `window_mask` of this length (and these documents) to reuse it (built inside otherwise). doc_start: int32
     [B, T], the position of each token's document's first token (a multiple of `sel_block_size`): every packed
-    document then attends as if run alone; None: one sequence per row. `check_backend` says whether args'
-    backends can run here.
+    document then attends as if run alone; None: one sequence per row. q_start: the T queries (and their gates,
+    block indices, doc_start and window_mask) are positions q_start .. q_start+T-1 of the sequence that the keys
+    and values span whole (context parallelism's chunks of a shard); the triton backend takes it with the kernels
+    that `triton_backend.check_query_offset` accepts. `check_backend` says whether args' backends can run here.
     """
     return BACKENDS[args.backend](q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args, block_indices,
-                                  window_mask, doc_start)
+                                  window_mask, doc_start, q_start)
 
 
-def window_mask(seq_len: int, args: NSAArgs, device: torch.device,
-                doc_start: Tensor | None = None) -> BlockMask | None:
+def window_mask(seq_len: int, args: NSAArgs, device: torch.device, doc_start: Tensor | None = None,
+                q_start: int = 0, kv_len: int | None = None) -> BlockMask | None:
     """The FlexAttention BlockMask of the window (stopping at document starts when doc_start [B, T] is given) when
     the triton backend runs it through FlexAttention on a GPU, else None. Build it once per forward outside
     activation-checkpointed regions (building it inside a checkpointed compiled block fails in Dynamo: "HOP:
-    unsafe side effect") and pass it to every layer."""
+    unsafe side effect") and pass it to every layer. q_start, kv_len: the mask of seq_len queries at positions
+    q_start .. of kv_len keys (`nsa_attention`'s q_start; None: seq_len keys)."""
     if args.backend != "triton" or args.window_backend != "flex" or device.type != "cuda":
         return None
     from nsa_models.nsa.triton_backend import window_block_mask
 
-    return window_block_mask(seq_len, args.window_size, device, doc_start)
+    return window_block_mask(seq_len, args.window_size, device, doc_start, q_start, kv_len)

@@ -18,6 +18,11 @@ Packed documents (`doc_start`, starting at multiples of l'): the compressed kern
 before each query's document, the FlexAttention and SDPA windows stop at its start, flash-attn 2 and
 FlashAttention-4 run each document as one of their variable-length sequences (`varlen`, `fa4`), and the selected
 branch is unchanged.
+
+Queries at an offset (`q_start`, context parallelism's chunk of a shard): the T queries are positions
+q_start .. q_start+T-1 of the keys' sequence. The Triton kernels take it as a runtime argument (no recompile per
+offset), the FlexAttention and SDPA windows in their masks; FlashAttention's windows, the fused sweep and
+FlashAttention-4's compressed branch take none (refused).
 """
 
 from __future__ import annotations
@@ -45,38 +50,43 @@ _WINDOW_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True,
-                       doc_start: Tensor | None = None) -> BlockMask:
-    """FlexAttention block mask of keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0), built by a compiled
+                       doc_start: Tensor | None = None, q_start: int = 0, kv_len: int | None = None) -> BlockMask:
+    """FlexAttention block mask of keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0) for the seq_len
+    queries at positions t = q_start .. q_start+seq_len-1 of kv_len keys (None: seq_len), built by a compiled
     kernel outside torch.compile."""
     def sliding_window(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+        t = q_idx + q_start
+        return (kv_idx <= t) & (t - kv_idx < window)
 
     def document_window(b, h, q_idx, kv_idx):
         return sliding_window(b, h, q_idx, kv_idx) & (kv_idx >= doc_start[b, q_idx])
 
+    kv_len = seq_len if kv_len is None else kv_len
     if doc_start is None:
-        return create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device, _compile=compile_mask)
-    return create_block_mask(document_window, doc_start.shape[0], None, seq_len, seq_len, device=device,
+        return create_block_mask(sliding_window, None, None, seq_len, kv_len, device=device, _compile=compile_mask)
+    return create_block_mask(document_window, doc_start.shape[0], None, seq_len, kv_len, device=device,
                              _compile=compile_mask)
 
 
 _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
-def window_block_mask(seq_len: int, window: int, device: torch.device,
-                      doc_start: Tensor | None = None) -> BlockMask:
+def window_block_mask(seq_len: int, window: int, device: torch.device, doc_start: Tensor | None = None,
+                      q_start: int = 0, kv_len: int | None = None) -> BlockMask:
     """The window's FlexAttention BlockMask, stopping at document starts when doc_start [B, T] is given: cached in
-    eager code without documents (their mask changes every batch), traced (no caches) inside torch.compile."""
+    eager code without documents (their mask changes every batch), traced (no caches) inside torch.compile.
+    q_start, kv_len: the seq_len queries are positions q_start .. of kv_len keys (None: the queries')."""
     if doc_start is not None or torch.compiler.is_compiling():
-        return _window_block_mask(seq_len, window, str(device), not torch.compiler.is_compiling(), doc_start)
-    return _cached_window_block_mask(seq_len, window, str(device))
+        return _window_block_mask(seq_len, window, str(device), not torch.compiler.is_compiling(), doc_start,
+                                  q_start, kv_len)
+    return _cached_window_block_mask(seq_len, window, str(device), True, None, q_start, kv_len)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask: BlockMask | None = None,
-                     doc_start: Tensor | None = None) -> Tensor:
-    """Sliding-window attention over keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0); [B, T, HQ, D].
-    block_mask: the FlexAttention window mask (`window_block_mask`, of the same documents), built here when
-    None."""
+                     doc_start: Tensor | None = None, q_start: int = 0) -> Tensor:
+    """Sliding-window attention over keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0); [B, T, HQ, D]
+    for the queries at positions t = q_start .. q_start+T-1 of k, v [B, TK, H, D]. block_mask: the FlexAttention
+    window mask (`window_block_mask`, of the same documents and offset), built here when None."""
     T, w = q.shape[1], args.window_size
     if args.window_backend == "flash_attn":
         from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -93,38 +103,54 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
         return fa4_window_attention(q, k, v, w, not args.float_atomics, doc_start, args.sel_block_size)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
-        block_mask = window_block_mask(T, w, q.device, doc_start) if block_mask is None else block_mask
+        if block_mask is None:
+            block_mask = window_block_mask(T, w, q.device, doc_start, q_start, k.shape[2])
         out = flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=_WINDOW_KERNEL_OPTIONS)
     else:
-        t = torch.arange(T, device=q.device)
-        mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
-        if doc_start is not None:  # [B, 1, T, T]: each key at or after its query's document start
-            mask = mask & (t >= doc_start[:, :, None]).unsqueeze(1)
+        t = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+        u = torch.arange(k.shape[2], device=q.device)
+        mask = (u <= t) & (t - u < w)
+        if doc_start is not None:  # [B, 1, T, TK]: each key at or after its query's document start
+            mask = mask & (u >= doc_start[:, :, None]).unsqueeze(1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs, scale: float,
-                         doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                         doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
     """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
     if args.cmp_backend == "flash_attn_4":
         return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
                                         not args.float_atomics, doc_start, args.sel_block_size)
-    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start)
+    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start, q_start)
+
+
+def check_query_offset(args: NSAArgs) -> None:
+    """Raise ValueError (one line naming the key and the fix) unless `args`' kernels take queries at an offset
+    (`q_start`): FlashAttention's windows and compressed branch, and the fused sweep, align queries with keys."""
+    for key, choice, offsets in (("window_backend", args.window_backend, ("flex", "sdpa")),
+                                 ("cmp_backend", args.cmp_backend, ("triton",))):
+        if choice not in offsets:
+            raise ValueError(f"model.nsa.{key} = {choice!r} takes no query offset (queries that start mid-sequence, "
+                             f"as context parallelism's): set it to {' or '.join(map(repr, offsets))}")
 
 
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
-               window_mask: BlockMask | None = None, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
+               q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed-
     attention entropy [B, T, HQ] fp32, detached). doc_start [B, T] int32 (multiples of `sel_block_size`): each
     packed document attends as if run alone; the selected branch needs no mask, as every block chosen within a
-    document lies inside it."""
+    document lies inside it. q_start: the queries are positions q_start .. q_start+T-1 of the keys' sequence
+    (as `nsa_reference`'s; `check_query_offset` says which kernels take it)."""
+    if q_start:
+        check_query_offset(args)
     scale = q.shape[-1] ** -0.5
-    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale, doc_start)
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale, doc_start, q_start)
     # The selection is not differentiated (the spec's top-n is piecewise constant): detached inputs.
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
-                                  args.sel_block_size, args.n_selected, scale, doc_start)
+                                  args.sel_block_size, args.n_selected, scale, doc_start, q_start)
     block_indices = chosen if block_indices is None else block_indices
     if args.window_backend == "fused_with_selected":
         if k_win is not k_slc or v_win is not v_slc:
@@ -133,8 +159,8 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
         o_slc, o_win = selected_window_attention(q, k_slc, v_slc, block_indices, args.sel_block_size,
                                                  args.window_size, scale, doc_start)
     else:
-        o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale)
-        o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start)
+        o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start)
+        o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy

@@ -3,6 +3,8 @@ which reruns these scores from the forward's log-sum-exp, is in `triton_selectio
 block-visibility helpers below.
 
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
+Query row r sits at position t = q_start + r of the sequence the compressed blocks summarise (q_start: a runtime
+argument, 0 unless context parallelism hands a shard's chunk of queries; the document masks need q_start = 0).
 Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t, and, with packed documents
 (doc_start [B, T] int32: the first position of each token's document, a multiple of d; a multiple of l' for the
 selection), iff also i*d >= doc_start[t]. Documents only mask (a constexpr DOC_MASK flag: without them every kernel
@@ -136,8 +138,8 @@ def _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, hi, NC, d, d_ok, qk_scale,
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "NC"])
-def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "Q0"])
+def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
@@ -145,17 +147,18 @@ def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, qk_scale, H: tl.constexpr, G: tl.co
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
+    pos = Q0 + t  # the rows' positions: the causal rule's; documents are per row
+    common, end = _visible_range(Q0 + t0, Q0 + T, NC, L, S, BM // GP, BN)
     lo, first = 0, 0
     if DOC_MASK:  # the key tiles some query's document does not hold: masked by both rules
         lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
         first = _first_block(DOC, b, t, T, S)
-        m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
+        m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
                               H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
         lo, common = hi, tl.maximum(common, hi)
-    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
-                          PRECISION, MASKED=False)
-    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, t, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                          BD, PRECISION, MASKED=False)
+    m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
                           BD, PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
@@ -182,33 +185,34 @@ def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, hi, NC, d, d_ok, q
     return dq
 
 
-@triton.jit(do_not_specialize=["T", "NC"])
-def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "Q0"])
+def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
-    common, end = _visible_range(t0, T, NC, L, S, BM // GP, BN)
+    pos = Q0 + t  # as in the forward
+    common, end = _visible_range(Q0 + t0, Q0 + T, NC, L, S, BM // GP, BN)
     lo, first = 0, 0
-    if DOC_MASK:  # as in the forward
+    if DOC_MASK:
         lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
         first = _first_block(DOC, b, t, T, S)
-        dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
+        dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
                       H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
         lo, common = hi, tl.maximum(common, hi)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN, BD,
-                  PRECISION, MASKED=False)
-    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
+                  BD, PRECISION, MASKED=False)
+    dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
                   BD, PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 @triton.jit
-def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, d, d_ok, qk_scale,
+def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, Q0, d, d_ok, qk_scale,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                BM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
-    """Add the terms of the query steps from lo to hi (rows before `stop`) to a key tile's dk, dv; MASKED: mask
+    """Add the terms of the query steps from rows lo to hi (before `stop`) to a key tile's dk, dv; MASKED: mask
     the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it); DOC_MASK:
     also those before its document. Rows at or past `stop` add 0: their q, dO, lse and delta load as 0."""
     for t0 in range(lo, hi, BM // GP):
@@ -221,15 +225,15 @@ def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, N
         if DOC_MASK:
             p = tl.where(n[:, None] >= _first_block(DOC, b, t, T, S)[None, :], p, 0.0)
         if MASKED:
-            p = tl.where(_sees(n[:, None], t[None, :], NC, L, S) & row_ok[None, :], p, 0.0)
+            p = tl.where(_sees(n[:, None], Q0 + t[None, :], NC, L, S) & row_ok[None, :], p, 0.0)
         dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dk += tl.dot((p * (dp - delta[None, :])).to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "NC", "CHUNK"])
-def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, CHUNK, qk_scale, scale,
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "CHUNK"])
+def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, Q0, CHUNK, qk_scale, scale,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                      S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                      DOC_MASK: tl.constexpr):
@@ -243,10 +247,10 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
     stop = tl.minimum(chunk * CHUNK + CHUNK, T)
-    # This chunk's queries, from the first one that sees the tile's first block on (none: zero partials); from
-    # the first step whose queries all see the tile's last block on, unmasked.
-    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1)
-    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1
+    # This chunk's query rows, from the first one that sees the tile's first block on (none: zero partials); from
+    # the first step whose queries all see the tile's last block on, unmasked. (Row = position - Q0.)
+    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1 - Q0)
+    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1 - Q0
     unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), BM // GP) * (BM // GP), stop)
     whole = stop
     if DOC_MASK:
@@ -258,12 +262,12 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
         whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
         # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
         whole = tl.where(whole >= stop, stop, unmasked + tl.maximum(whole - unmasked, 0) // (BM // GP) * (BM // GP))
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, d, d_ok,
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, Q0, d, d_ok,
                         qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=DOC_MASK)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, unmasked, whole, stop, T, NC, d, d_ok,
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, unmasked, whole, stop, T, NC, Q0, d, d_ok,
                         qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
     if DOC_MASK:
-        dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, whole, stop, stop, T, NC, d, d_ok,
+        dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, whole, stop, stop, T, NC, Q0, d, d_ok,
                             qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=True)
     kv_base = b * NC * H * D + h * D
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
@@ -285,7 +289,8 @@ def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict
     return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype))
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: Tensor | None = None) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: Tensor | None = None,
+           q_start: int = 0) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
@@ -297,6 +302,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: 
     if doc_start is not None and (doc_start.shape != (B, T) or doc_start.dtype != torch.int32):
         raise ValueError(f"compressed attention: doc_start {tuple(doc_start.shape)} {doc_start.dtype} must be "
                          f"[B, T] = {(B, T)} int32")
+    # dK/dV finds a key's document end by its position among the query rows: they must be the whole sequence.
+    if doc_start is not None and q_start:
+        raise ValueError(f"compressed attention: packed documents (doc_start) need q_start = 0, got {q_start}")
 
 
 def _document_ends(doc_start: Tensor) -> Tensor:
@@ -322,10 +330,11 @@ def _contiguous(doc_start: Tensor | None) -> Tensor | None:
 
 @torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
 def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
-                             doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                             doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
     """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block).
-    doc_start [B, T] int32 (multiples of d), or None: see the module's docstring."""
-    _check(q, k, v, block, stride, doc_start)
+    doc_start [B, T] int32 (multiples of d), or None; q_start: the first query's position. See the module's
+    docstring."""
+    _check(q, k, v, block, stride, doc_start, q_start)
     q, k, v, doc_start = q.contiguous(), k.contiguous(), v.contiguous(), _contiguous(doc_start)
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
@@ -335,13 +344,13 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC, scale * LOG2E, H=H, L=block,
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC, q_start, scale * LOG2E, H=H, L=block,
                       S=stride, BN=_KEYS, DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
 
 @compressed_attention_fwd.register_fake
-def _(q, k, v, block, stride, scale, doc_start=None):
+def _(q, k, v, block, stride, scale, doc_start=None, q_start=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -354,8 +363,8 @@ def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
 
 @torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
-                             stride: int, scale: float,
-                             doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             stride: int, scale: float, doc_start: Tensor | None = None,
+                             q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
     doc_start = _contiguous(doc_start)
@@ -366,7 +375,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     args = dict(H=H, L=block, S=stride, DOC_MASK=doc_start is not None, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, scale * LOG2E, scale, BN=_KEYS,
+        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, q_start, scale * LOG2E, scale, BN=_KEYS,
         **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
@@ -379,29 +388,31 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dv_part = torch.empty_like(dk_part)
     if NC:
         _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), doc_start, doc_end, do, lse,
-                                                     delta, dk_part, dv_part, T, NC, chunk, scale * LOG2E, scale,
+                                                     delta, dk_part, dv_part, T, NC, q_start, chunk, scale * LOG2E,
+                                                     scale,
                                                      BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
                                                      **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 
 
 @compressed_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None):
+def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_start=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale, doc_start = inputs
+    q, k, v, block, stride, scale, doc_start, q_start = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, doc_start)
-    ctx.block, ctx.stride, ctx.scale = block, stride, scale
+    ctx.block, ctx.stride, ctx.scale, ctx.q_start = block, stride, scale, q_start
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, doc_start = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
-    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale, doc_start)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale, doc_start,
+                                          ctx.q_start)
+    return dq, dk, dv, None, None, None, None, None
 
 
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,9 @@
 """Selected-block attention (NSA branch 4) in Triton: forward and deterministic backward, as torch custom ops.
 
-Layout as the reference: q, o [B, T, HQ, D]; k, v [B, T, H, D]; block_indices [B, H, T, n] int64 (-1 = none),
-shared by the G = HQ / H query heads of a KV group. Query t attends the tokens u <= t of its chosen blocks.
+Layout as the reference: q, o [B, T, HQ, D]; k, v [B, TK, H, D]; block_indices [B, H, T, n] int64 (-1 = none),
+shared by the G = HQ / H query heads of a KV group. Query row r sits at position t = q_start + r of the keys'
+sequence (q_start + T <= TK; q_start a runtime argument, 0 unless context parallelism hands a shard's chunk of
+queries) and attends the tokens u <= t of its chosen blocks. Work lists and dK/dV cover the TK / l' key blocks.
 
 Two layouts for the forward and dQ, chosen from the static shapes by `_key_major`:
 - Query tiles (G >= 16, or few blocks): one program per (tile of consecutive queries, batch, KV head) holds the
@@ -107,8 +109,9 @@ def _visible(chosen, blk, i, pos, t, ROW_BITS: tl.constexpr):
     return row_chose[:, None] & (pos >= 0)[None, :] & (pos[None, :] <= t[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "N_SEL", "L"])  # one compile for every length
-def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, N_SEL, L, qk_scale, H: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_SEL", "L"])  # one compile for every length and offset
+def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, TK, Q0, N_SEL, L, qk_scale,
+                H: tl.constexpr,
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr,
                 NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                 ROW_BITS: tl.constexpr):
@@ -120,17 +123,17 @@ def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, N_
     acc = tl.zeros([BM, BD], tl.float32)
     for i in range(count):
         blk = tl.load(blocks + i)
-        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
+        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, TK, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where(_visible(chosen, blk, i, pos, t, ROW_BITS), s, float("-inf"))
+        s = tl.where(_visible(chosen, blk, i, pos, Q0 + t, ROW_BITS), s, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, PRECISION)
     o, lse = softmax_output(m, l, acc)
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T", "N_SEL", "L"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, DQ, T, N_SEL, L, qk_scale,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_SEL", "L"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, DQ, T, TK, Q0, N_SEL, L, qk_scale,
                    scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
                    BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, ROW_BITS: tl.constexpr):
@@ -141,9 +144,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_
     dq = tl.zeros([BM, BD], tl.float32)
     for i in range(count):
         blk = tl.load(blocks + i)
-        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, T, H, D, BS, BD, TMA)
+        pos, k, v = _load_block(K, V, b, h, blk, u, d, d_ok, TK, H, D, BS, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.where(_visible(chosen, blk, i, pos, t, ROW_BITS), tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(_visible(chosen, blk, i, pos, Q0 + t, ROW_BITS), tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -151,8 +154,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_
 
 
 @triton.jit
-def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                BD: tl.constexpr):
+def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, TK, N_BLK, H: tl.constexpr, D: tl.constexpr,
+                BS: tl.constexpr, BD: tl.constexpr):
     """This program's work item (grid: items): its query range [start, end) in the reverse index, batch, KV head,
     the key block's positions [BS] and keys/values [BS, BD], head-dim lanes and their validity, and which key
     rows to store (none for items past the real count, see reverse_index)."""
@@ -167,8 +170,8 @@ def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr,
     # An item past the real count has an empty range: it runs no step and stores nothing. (A vector & a loaded
     # scalar's comparison trips the Triton interpreter, hence u against a scalar.)
     used = u < tl.where(start < end, BS, 0)
-    k = load_head_rows(K, b, h, j * BS, T, d, d_ok, BS, H, D, BD, False)
-    v = load_head_rows(V, b, h, j * BS, T, d, d_ok, BS, H, D, BD, False)
+    k = load_head_rows(K, b, h, j * BS, TK, d, d_ok, BS, H, D, BD, False)
+    v = load_head_rows(V, b, h, j * BS, TK, d, d_ok, BS, H, D, BD, False)
     return item, start, end, b, h, j * BS + u, used, k, v, d, d_ok
 
 
@@ -176,8 +179,8 @@ def _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK, H: tl.constexpr,
 def _item_rows(QSLOT, qs, end, b, h, T, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
                QB: tl.constexpr):
     """The rows of one step of an item: row r is head r % G of its (qs + r // G)-th (query, slot) entry. Returns
-    which rows exist, their query positions, their rows of [B * T * HQ] and the slot of the key block in the
-    query's list (where per-(row, slot) partial results go)."""
+    which rows exist, their query rows (at positions Q0 + t), their rows of [B * T * HQ] and the slot of the key
+    block in the query's list (where per-(row, slot) partial results go)."""
     r = tl.arange(0, BR)
     ok = (r < QB * G) & (qs + r // G < end)
     entry = tl.load(QSLOT + qs + r // G, mask=ok, other=0)  # t * N_SEL + slot
@@ -185,20 +188,20 @@ def _item_rows(QSLOT, qs, end, b, h, T, N_SEL: tl.constexpr, H: tl.constexpr, G:
     return ok, t, (b * T + t) * (H * G) + h * G + r % G, entry % N_SEL
 
 
-@triton.jit(do_not_specialize=["T", "N_BLK"])
-def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, N_BLK, qk_scale,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_BLK"])
+def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK, Q0, N_BLK, qk_scale,
                      N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
     """Key-block-major forward: each (query row, chosen block) pair's softmax over that block alone, normalised,
     and its log-sum-exp (log2 units), into the pair's slot; `_combine_kernel` merges a row's slots."""
-    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK,
+    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, TK, N_BLK,
                                                                    H, D, BS, BD)
     for qs in range(start, end, QB):
         ok, t, rows, slot = _item_rows(QSLOT, qs, end, b, h, T, N_SEL, H, G, BR, QB)
         qd_mask = ok[:, None] & d_ok[None, :]
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(ok[:, None] & (pos[None, :] <= t[:, None]), s, float("-inf"))
+        s = tl.where(ok[:, None] & (pos[None, :] <= Q0 + t[:, None]), s, float("-inf"))
         m, l, acc = online_softmax_update(tl.full([BR], float("-inf"), tl.float32), tl.zeros([BR], tl.float32),
                                           tl.zeros([BR, BD], tl.float32), s, v, PRECISION)
         o, lse = softmax_output(m, l, acc)
@@ -207,14 +210,14 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         tl.store(LSE_PART + part, lse * 1.4426950408889634, mask=ok)
 
 
-@triton.jit(do_not_specialize=["T", "N_BLK"])
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_BLK"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, DK_PART, DV_PART, DQ_PART, T,
-                     N_BLK, qk_scale, scale, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                     BS: tl.constexpr, BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr,
+                     TK, Q0, N_BLK, qk_scale, scale, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr,
                      PRECISION: tl.constexpr, WITH_DQ: tl.constexpr):
     """dK/dV partial sums of one item; with WITH_DQ (key-block-major layout) also each (query row, chosen block)
     pair's dQ term, into the pair's slot of DQ_PART."""
-    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, T, N_BLK,
+    item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, TK, N_BLK,
                                                                    H, D, BS, BD)
     dk = tl.zeros([BS, BD], tl.float32)
     dv = tl.zeros([BS, BD], tl.float32)
@@ -223,7 +226,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         qd_mask = ok[:, None] & d_ok[None, :]
         q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, ok, qd_mask, d, D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BR, BS]
-        visible = ok[:, None] & (pos[None, :] <= t[:, None])
+        visible = ok[:, None] & (pos[None, :] <= Q0 + t[:, None])
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -272,8 +275,8 @@ def _combine_kernel(PART, LSE_PART, IDX, OUT, LSE, T, N_SEL, N_ROWS, H: tl.const
     tl.store(OUT + row[:, None] * D + d[None, :], acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "N_BLK"])
-def _bwd_reduce_kernel(DK_PART, DV_PART, SEG_ITEMS, DK, DV, T, N_BLK, H: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["TK", "N_BLK"])
+def _bwd_reduce_kernel(DK_PART, DV_PART, SEG_ITEMS, DK, DV, TK, N_BLK, H: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, BD: tl.constexpr):
     seg = tl.program_id(0).to(tl.int64)
     bh, j = seg // N_BLK, seg % N_BLK
@@ -289,8 +292,8 @@ def _bwd_reduce_kernel(DK_PART, DV_PART, SEG_ITEMS, DK, DV, T, N_BLK, H: tl.cons
         dk += tl.load(DK_PART + part, mask=d_ok[None, :], other=0.0)
         dv += tl.load(DV_PART + part, mask=d_ok[None, :], other=0.0)
     pos = j * BS + u
-    out = b * T * H * D + h * D + pos[:, None] * (H * D) + d[None, :]
-    mask = (pos < T)[:, None] & d_ok[None, :]
+    out = b * TK * H * D + h * D + pos[:, None] * (H * D) + d[None, :]
+    mask = (pos < TK)[:, None] & d_ok[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
 
@@ -374,11 +377,11 @@ def _dq_by_key_blocks(G: int, n_blocks: int, n: int, D: int) -> bool:
 def _layout_shape(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) -> tuple[int, int, int]:
     """(G, key blocks, n) of these inputs: what `_key_major` and `_queries_per_tile` decide from, so that the
     public function, the work lists and both ops agree on the layout and the tiles."""
-    return q.shape[2] // k.shape[2], triton.cdiv(q.shape[1], block_size), block_indices.shape[3]
+    return q.shape[2] // k.shape[2], triton.cdiv(k.shape[1], block_size), block_indices.shape[3]
 
 
 def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-               tile_bits: Tensor, block_size: int, dq: bool) -> tuple[tuple[int, int], dict]:
+               tile_bits: Tensor, block_size: int, q_start: int, dq: bool) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments of the forward (or, with dq, the dQ) kernel: the key/value descriptors, the
     chosen blocks, the tiles' union lists, sizes and row bitmasks (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
@@ -397,7 +400,8 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     tma = rows <= 16 or row_bits
     k_operand, v_operand = (triton_common.head_rows_operand(x, block_size, tma) for x in (k, v))
     tile = dict(K=k_operand, V=v_operand, IDX=block_indices,
-                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, N_SEL=n,
+                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, TK=k.shape[1], Q0=q_start,
+                N_SEL=n,
                 L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
                 BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), TMA=tma,
                 ROW_BITS=row_bits,
@@ -410,12 +414,13 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     return (triton.cdiv(T, QT), B * H), tile
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, q_start: int) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
-    if k.shape != (B, T, H, D) or v.shape != k.shape or HQ % H:
+    if k.shape != (B, k.shape[1], H, D) or v.shape != k.shape or HQ % H or not 0 <= q_start <= k.shape[1] - T:
         raise ValueError(f"selected attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
-                         "must be [B, T, HQ, D] and [B, T, H, D] with H dividing HQ")
+                         "must be [B, T, HQ, D] and [B, TK, H, D] with H dividing HQ and the queries' positions "
+                         f"q_start = {q_start} .. q_start + T - 1 inside the TK keys")
     if block_indices.shape[:3] != (B, H, T) or block_indices.dtype != torch.int64:
         raise ValueError(f"selected attention: block_indices must be int64 [B, H, T, n] = [{B}, {H}, {T}, n], "
                          f"got {block_indices.dtype} {tuple(block_indices.shape)}")
@@ -428,9 +433,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
                            query_slot: Tensor, seg_items: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-                           tile_bits: Tensor, block_size: int, scale: float) -> tuple[Tensor, Tensor]:
+                           tile_bits: Tensor, block_size: int, scale: float, q_start: int = 0) -> tuple[Tensor, Tensor]:
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
-    items ... tile_bits: `work_lists(q, k, block_indices, block_size)`."""
+    items ... tile_bits: `work_lists(q, k, block_indices, block_size)`; q_start: the first query's position."""
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -441,19 +446,21 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
         # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2
         # (G = 3, 4 x 8k: 1.38 with 2, 1.48 with 3; 1 x 64k: 2.64, 2.90).
-        item_args = _item_args(q, k, n, items, query_slot, block_size, _ITEM_ROWS, stages=3 if D > 64 else 2)
+        item_args = _item_args(q, k, n, items, query_slot, block_size, q_start, _ITEM_ROWS,
+                               stages=3 if D > 64 else 2)
         _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E,
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=False)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_start,
+                                dq=False)
         _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * LOG2E, **tile)
     return o, lse
 
 
 @selected_attention_fwd.register_fake
 def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits, block_size,
-      scale):
+      scale, q_start=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -464,9 +471,11 @@ def _item_queries(pairs: int) -> int:
     return min(_ITEM_QUERIES, max(_ITEM_QUERIES_MIN, triton.next_power_of_2(max(1, pairs // _MIN_ITEMS))))
 
 
-def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def reverse_index(block_indices: Tensor, block_size: int,
+                  seq_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Work items over (batch, KV head, key block) -> the (query, slot) pairs that chose the block, in ascending
-    query order (a query's chosen blocks must be distinct, as the selection gives them).
+    query order (a query's chosen blocks must be distinct, as the selection gives them). seq_len: the keys'
+    length, which sets the key blocks (default: the queries' T).
 
     Returns `items` [3, max_items]: per item its segment (b * H + h) * n_blocks + j and its [start, end) range in
     `query_slot` (entries t * n + slot: the query and where the block sits in its list); `query_slot`; and per
@@ -475,7 +484,7 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
     shapes, and the items past the real count get empty ranges.
     """
     B, H, T, n = block_indices.shape
-    n_blocks = triton.cdiv(T, block_size)
+    n_blocks = triton.cdiv(T if seq_len is None else seq_len, block_size)
     device = block_indices.device
     n_segs = B * H * n_blocks
     # A stable sort of each entry's segment (its padding: n_segs, past every segment) orders the entries by segment
@@ -506,16 +515,16 @@ def reverse_index(block_indices: Tensor, block_size: int) -> tuple[Tensor, Tenso
     return torch.stack([item_seg, item_start, item_end]), query_slot, seg_items
 
 
-def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, rows: int,
-               stages: int = 2) -> dict:
+def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, q_start: int,
+               rows: int, stages: int = 2) -> dict:
     """The keyword arguments the key-block-major kernels share (grid: one program per item): the work items,
-    lengths and meta-parameters, `rows` per step at least."""
+    lengths, the first query's position and meta-parameters, `rows` per step at least."""
     B, T, HQ, D = q.shape
-    H = k.shape[2]
+    TK, H = k.shape[1], k.shape[2]
     G = HQ // H
     rows = max(rows, triton.next_power_of_2(G))
-    return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T,
-                N_BLK=triton.cdiv(T, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
+    return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T, TK=TK, Q0=q_start,
+                N_BLK=triton.cdiv(TK, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
                 BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), num_stages=stages)
 
 
@@ -541,7 +550,7 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                            block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
                            tile_blocks: Tensor, tile_counts: Tensor, tile_bits: Tensor, block_size: int,
-                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                           scale: float, q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
@@ -551,13 +560,14 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     dq_terms = _key_major(G, n_blocks, n) or _dq_by_key_blocks(G, n_blocks, n, D)
     dq = torch.empty_like(q)
     if not dq_terms:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, dq=True)
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_start,
+                                dq=True)
         _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if dq_terms and G >= 3 and D > 64 else _ITEM_ROWS
     # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
     # G = 4 29.4 -> 28.0); without it (G = 16) 2 (64k: 52.4 with 2, 53.3 with 3; 8k: 6.20, 6.41).
-    item_args = _item_args(q, k, n, items, query_slot, block_size, rows, stages=3 if dq_terms else 2)
+    item_args = _item_args(q, k, n, items, query_slot, block_size, q_start, rows, stages=3 if dq_terms else 2)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     # With dq_terms the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
@@ -573,8 +583,8 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
                                  num_warps=8 if dq_terms and D > 64 else 4, **item_args)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     H = item_args["H"]
-    _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, T, n_blocks, H=H, D=D, BS=block_size,
-                                            BD=item_args["BD"], num_warps=4)
+    _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, k.shape[1], n_blocks, H=H, D=D,
+                                            BS=block_size, BD=item_args["BD"], num_warps=4)
     if dq_terms:
         _combine(dq_part, None, block_indices, dq, None)
     return dq, dk, dv
@@ -582,36 +592,38 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
 
 @selected_attention_bwd.register_fake
 def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits,
-      block_size, scale):
+      block_size, scale, q_start=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, block_size, scale = inputs
+    *tensors, block_size, scale, q_start = inputs
     o, lse = output
     ctx.save_for_backward(o, lse, *tensors)
-    ctx.block_size, ctx.scale = block_size, scale
+    ctx.block_size, ctx.scale, ctx.q_start = block_size, scale, q_start
 
 
 def _backward(ctx, do, dlse):
     o, lse, q, k, v, block_indices, *lists = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
-    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, *lists, ctx.block_size, ctx.scale)
-    return dq, dk, dv, *[None] * (len(lists) + 3)  # block_indices, the work lists, block_size, scale
+    dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, *lists, ctx.block_size, ctx.scale,
+                                        ctx.q_start)
+    return dq, dk, dv, *[None] * (len(lists) + 4)  # block_indices, the work lists, block_size, scale, q_start
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
-                       scale: float | None = None) -> Tensor:
-    """NSA selected-branch output [B, T, HQ, D]; scale defaults to 1 / sqrt(D)."""
-    _check(q, k, v, block_indices, block_size)
+                       scale: float | None = None, q_start: int = 0) -> Tensor:
+    """NSA selected-branch output [B, T, HQ, D] of queries at positions q_start .. q_start + T - 1 of the keys
+    k, v [B, TK, H, D]; scale defaults to 1 / sqrt(D)."""
+    _check(q, k, v, block_indices, block_size, q_start)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     block_indices = block_indices.contiguous()
     return selected_attention_fwd(q, k, v, block_indices, *work_lists(q, k, block_indices, block_size, backward),
-                                  block_size, scale)[0]
+                                  block_size, scale, q_start)[0]
 
 
 def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
@@ -626,7 +638,8 @@ def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
     empty = block_indices.new_empty
     G, n_blocks, n = _layout_shape(q, k, block_indices, block_size)
     key_major = _key_major(G, n_blocks, n)
-    index = reverse_index(block_indices, block_size) if backward or key_major else (empty(3, 0), empty(0), empty(0))
+    index = (reverse_index(block_indices, block_size, k.shape[1]) if backward or key_major
+             else (empty(3, 0), empty(0), empty(0)))
     if key_major:
         return *index, empty(0), empty(0), empty(0)
     return *index, *_tile_blocks(block_indices, n_blocks, _queries_per_tile(G, n_blocks, n))

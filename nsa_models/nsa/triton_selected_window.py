@@ -39,19 +39,31 @@ DKDV_LAUNCH = dict(rows=16, keys=64, num_warps=4, num_stages=3)
 
 @triton.jit
 def _rows(tile, b, h, T, H: tl.constexpr, G: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr):
-    """Query tile `tile`: row r is head r % G of query tile * QT + r // G. Returns the rows' query positions, their
-    offsets in [B * T * HQ] and which exist."""
+    """Query tile `tile`: row r is head r % G of query tile * QT + r // G. Returns the rows' query positions (int32:
+    the masks compare them per (row, key), where 64-bit integer ops cost twice), their offsets in [B * T * HQ]
+    (int64) and which exist."""
     r = tl.arange(0, BM)
     t = tile * QT + r // G
-    return t, (b * T + t) * (H * G) + h * G + r % G, (r < QT * G) & (t < T)
+    return t.to(tl.int32), (b * T + t) * (H * G) + h * G + r % G, (r < QT * G) & (t < T)
 
 
 @triton.jit
-def _chose(word, pos, BS: tl.constexpr):
-    """Whether a row (its bitmask `word`) chose the block of key `pos` (broadcast: [rows, 1] against [1, keys], or
-    transposed). Keys past the last block shift past bit 63 (0, or -1 for a word with bit 63 set); callers mask
-    them out as not causal."""
-    return ((word >> (pos // BS)) & 1) != 0
+def _keep_chosen(x, other, word, step, pos, BS: tl.constexpr, BN: tl.constexpr):
+    """x [rows, keys] where the row chose the key's block, else `other`: the rows' bitmasks `word` [rows], the keys
+    `pos` [keys] of key step `step`. With one block a step (BN = BS) that is one bit per row, broadcast, instead of
+    a 64-bit shift per (row, key). Keys past the last block shift past bit 63 (0, or -1 for a word with bit 63
+    set); callers mask them out as not causal."""
+    if BN == BS:
+        return tl.where((((word >> step) & 1) != 0)[:, None], x, other)
+    return tl.where(((word[:, None] >> (pos[None, :] // BS)) & 1) != 0, x, other)
+
+
+@triton.jit
+def _keep_chosen_t(x, other, word, step, pos, BS: tl.constexpr, BN: tl.constexpr):
+    """`_keep_chosen` of x transposed ([keys, rows])."""
+    if BN == BS:
+        return tl.where((((word >> step) & 1) != 0)[None, :], x, other)
+    return tl.where(((word[None, :] >> (pos[:, None] // BS)) & 1) != 0, x, other)
 
 
 @triton.jit
@@ -77,18 +89,17 @@ def _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H: tl.constexpr, D: tl
             BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Key step `step` of a query tile: the keys' positions [BN], keys and values [BN, BD], and the rows' scores
     [rows, BN] in log2 units."""
-    pos = step * BN + u
+    pos = tl.cast(step * BN, tl.int32) + u
     k = load_head_rows(K, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
     v = load_head_rows(V, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
     return pos, k, v, tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
 
 
 @triton.jit
-def _window_step_masks(word, t, pos, doc, W, BS: tl.constexpr, DOC_MASK: tl.constexpr):
-    """[rows, keys] masks of a key step that reaches into the rows' windows: the selected branch's (a chosen block,
-    causal) and the window's."""
-    chose = _chose(word[:, None], pos[None, :], BS) & (pos[None, :] <= t[:, None])
-    return chose, _window(t[:, None], pos[None, :], doc[:, None], W, DOC_MASK)
+def _window_step_masks(t, pos, doc, W, DOC_MASK: tl.constexpr):
+    """[rows, keys] masks of a key step that reaches into the rows' windows: causal (the selected branch's, with
+    `_keep_chosen`) and the window's."""
+    return pos[None, :] <= t[:, None], _window(t[:, None], pos[None, :], doc[:, None], W, DOC_MASK)
 
 
 @triton.jit
@@ -127,12 +138,13 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
     # Before the window: every key precedes every row's query by w or more, so only the choice masks.
     for step in range(0, win_step):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
-        s = tl.where(_chose(word[:, None], pos[None, :], BS), s, float("-inf"))
+        s = _keep_chosen(s, float("-inf"), word, step, pos, BS, BN)
         m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, s, v, PRECISION)
     for step in range(win_step, last_step + 1):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
-        chose, inside = _window_step_masks(word, t, pos, doc, W, BS, DOC_MASK)
-        m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, tl.where(chose, s, float("-inf")), v, PRECISION)
+        causal, inside = _window_step_masks(t, pos, doc, W, DOC_MASK)
+        s_slc = _keep_chosen(tl.where(causal, s, float("-inf")), float("-inf"), word, step, pos, BS, BN)
+        m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, s_slc, v, PRECISION)
         m_w, l_w, acc_w = online_softmax_update(m_w, l_w, acc_w, tl.where(inside, s, float("-inf")), v, PRECISION)
     o_s, lse_s = softmax_output(m_s, l_s, acc_s)
     o_w, lse_w = softmax_output(m_w, l_w, acc_w)
@@ -164,13 +176,13 @@ def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_S
     dq = tl.zeros([BM, BD], tl.float32)
     for step in range(0, win_step):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
-        p = tl.where(_chose(word[:, None], pos[None, :], BS), tl.exp2(s - lse_s[:, None]), 0.0)
+        p = _keep_chosen(tl.exp2(s - lse_s[:, None]), 0.0, word, step, pos, BS, BN)
         dp = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
         dq += tl.dot((p * (dp - delta_s[:, None])).to(k.dtype), k, input_precision=PRECISION)
     for step in range(win_step, last_step + 1):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
-        chose, inside = _window_step_masks(word, t, pos, doc, W, BS, DOC_MASK)
-        p_s = tl.where(chose, tl.exp2(s - lse_s[:, None]), 0.0)
+        causal, inside = _window_step_masks(t, pos, doc, W, DOC_MASK)
+        p_s = _keep_chosen(tl.where(causal, tl.exp2(s - lse_s[:, None]), 0.0), 0.0, word, step, pos, BS, BN)
         p_w = tl.where(inside, tl.exp2(s - lse_w[:, None]), 0.0)
         dp_s = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
         dp_w = tl.dot(do_w, tl.trans(v), input_precision=PRECISION)
@@ -180,9 +192,9 @@ def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_S
 
 
 @triton.jit
-def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale,
-                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
-                   BM: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale,
+                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                   QT: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     """A query tile's rows as seen from the keys `pos`: their positions, offsets, validity, q / dO masks, q and
     the selected branch's dO, its probabilities and its part of dS (transposed: [keys, rows]), and the scores.
     CAUSAL: some of the keys may follow some rows' queries (else all precede them)."""
@@ -192,10 +204,10 @@ def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, po
     do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
     s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, rows], log2 units
     word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
-    chose = _chose(word[None, :], pos[:, None], BS)
+    p_s = tl.exp2(s - lse_s[None, :])
     if CAUSAL:
-        chose &= pos[:, None] <= t[None, :]
-    p_s = tl.where(chose, tl.exp2(s - lse_s[None, :]), 0.0)
+        p_s = tl.where(pos[:, None] <= t[None, :], p_s, 0.0)
+    p_s = _keep_chosen_t(p_s, 0.0, word, step, pos, BS, BN)
     dp_s = tl.dot(v, tl.trans(do_s), input_precision=PRECISION)
     return t, rows, row_ok, qd_mask, q, do_s, p_s, p_s * (dp_s - delta_s[None, :]), s
 
@@ -213,7 +225,7 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA
     b, h = bh // H, bh % H
     d = tl.arange(0, BD)
     d_ok = d < D
-    pos = step * BN + tl.arange(0, BN)
+    pos = tl.cast(step * BN, tl.int32) + tl.arange(0, BN)
     k = load_head_rows(K, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
     v = load_head_rows(V, b, h, step * BN, T, d, d_ok, BN, H, D, BD, TMA)
     dk = tl.zeros([BN, BD], tl.float32)
@@ -224,8 +236,8 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA
     win_last = tl.minimum(step * BN + BN + W - 2, T - 1) // QT
     for tile in range(first, win_last + 1):
         t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
-            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale, H, G, D, BS, QT,
-            BM, PRECISION, True)
+            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
+            BN, QT, BM, PRECISION, True)
         dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
         do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
         doc = _doc_starts(DOC, b, t, row_ok, T, DOC_MASK)
@@ -237,8 +249,8 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     for tile in range(win_last + 1, tl.cdiv(T, QT)):
         t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
-            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, pos, d, d_ok, T, qk_scale, H, G, D, BS, QT,
-            BM, PRECISION, False)
+            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
+            BN, QT, BM, PRECISION, False)
         dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     out = (b * T + pos)[:, None] * (H * D) + h * D + d[None, :]

@@ -2,7 +2,9 @@
 
 It reruns the compressed attention's scores (`triton_compressed`: layouts, block visibility and query tiles as
 there, the heads padded to a power of two) from the log-sum-exp `compressed_attention_fwd` returns. With packed
-documents (doc_start [B, T] int32, multiples of l'), a query's candidates are the blocks of its document.
+documents (doc_start [B, T] int32, multiples of l'), a query's candidates are the blocks of its document. Query row
+r sits at position q_start + r (a runtime argument, as in `triton_compressed`): its candidates and forced blocks
+are those of that position.
 
 One pass per query tile recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed
 blocks to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
@@ -34,8 +36,8 @@ _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 _PIPELINE_MAX_GP = 8
 
 
-@triton.jit(do_not_specialize=["T", "NC", "NS", "N_SEL", "IDX_BITS"])
-def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "NS", "N_SEL", "IDX_BITS"])
+def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                    SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
@@ -55,9 +57,9 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, q
     j_loc = tl.arange(0, BJ)[None, :]
     overlap = tl.maximum(tl.minimum(j_loc * PS + PS, i_loc + PB) - tl.maximum(j_loc * PS, i_loc), 0).to(tl.float32)
     spill = tl.maximum(tl.arange(0, BN) + PB - BN, 0).to(tl.float32)
-    tq = t0 + tl.arange(0, QB)  # the tile's query positions
-    current = tq // SEL
-    t_last = tl.minimum(t0 + QB, T) - 1
+    tq = t0 + tl.arange(0, QB)  # the tile's query rows (at positions Q0 + tq)
+    current = (Q0 + tq) // SEL
+    t_last = Q0 + tl.minimum(t0 + QB, T) - 1  # the tile's last position
     n_vis = _n_visible(t_last, NC, L, S)
     carry = tl.zeros([QB], tl.float32)
     plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
@@ -84,7 +86,7 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, NS, N_SEL, IDX_BITS, q
             n = j0 * PS + tl.arange(0, BN)
             k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = _sees(n[None, :], t[:, None], NC, L, S) & row_ok[:, None]
+            visible = _sees(n[None, :], Q0 + t[:, None], NC, L, S) & row_ok[:, None]
             if DOC_MASK:
                 visible &= n[None, :] >= first_cmp
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
@@ -129,7 +131,8 @@ def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
 
 
 def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-            scale: float, store_keys: bool, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+            scale: float, store_keys: bool, doc_start: Tensor | None = None,
+            q_start: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     triton_common.check_batch_heads(B, H, "selection")
@@ -138,7 +141,8 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
                          "l' + d (a compressed block overlaps at most two selection blocks)")
     q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
     tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
-    n_sel = triton.cdiv(T, sel_block)
+    # Blocks up to the last query's: later ones are never candidates (the keys may run on past it).
+    n_sel = triton.cdiv(q_start + T, sel_block)
     idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
     entropy = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     keys = torch.empty(B, H, T, n_sel, device=q.device, dtype=torch.int64) if store_keys else None
@@ -151,7 +155,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     tma = tile_keys <= _TMA_BOX_ROWS
     pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
     keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
-    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, n_sel, n_selected,
+    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, q_start, n_sel, n_selected,
                          32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
                          SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
                          PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
@@ -160,15 +164,16 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
 
 
 def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, scale: float,
-                   doc_start: Tensor | None = None) -> Tensor:
+                   doc_start: Tensor | None = None, q_start: int = 0) -> Tensor:
     """For tests: the int64 sort key [B, H, T, Ns] the selection ranks each block by (the fp32 score's bits above
-    the complement of the block index; negative: a future block, or one before the query's document)."""
-    return _select(q, k, lse, block, stride, sel_block, 1, scale, True, doc_start)[2]
+    the complement of the block index; negative: a future block, or one before the query's document); Ns: the
+    blocks up to the last query's."""
+    return _select(q, k, lse, block, stride, sel_block, 1, scale, True, doc_start, q_start)[2]
 
 
 @torch.library.custom_op("nsa::select_topn", mutates_args=())
 def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-                scale: float, doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                scale: float, doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
     """Top-n selection blocks per (batch, KV head, query), shared by the GQA group, and the entropy (nats) of
     each query head's compressed-attention distribution.
 
@@ -176,13 +181,14 @@ def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_
     [B, H, T, n] (ascending, -1 padding at the end, as the reference's `select_blocks`) and fp32 [B, T, HQ].
     Nothing of size T x Ns is written: each query keeps its running top-n in registers. With doc_start [B, T]
     (multiples of l'), a query's candidates are the blocks of its document, whose first block is forced.
+    q_start: the first query's position (its candidates, forced blocks and visible compressed blocks follow it).
     """
-    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start)
+    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start, q_start)
     return idx, entropy
 
 
 @select_topn.register_fake
-def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None):
+def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None, q_start=0):
     B, T, HQ, _ = q.shape
     return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
                                                                                       dtype=torch.float32)
