@@ -384,6 +384,9 @@ def _check_combinations(config: Config) -> None:
         check_context_parallel(cp, model, data.seq_len, data.document_mask)
     except PlanError as e:
         raise ConfigError(str(e)) from None
+    if config.compile.backend != "inductor" and config.compile.mode not in ("auto", "default"):
+        raise ConfigError(f"compile.mode = {config.compile.mode!r} is inductor's, but compile.backend = "
+                          f"{config.compile.backend!r}: set compile.mode = 'default' or compile.backend = 'inductor'")
     passkey = config.passkey
     if cp > 1 and passkey.enable:
         raise ConfigError(f"parallelism.context_parallel_degree = {cp} with passkey.enable = true: passkey scoring "

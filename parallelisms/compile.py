@@ -30,6 +30,8 @@ def _compile(fn: Callable, cfg: CompileConfig) -> Callable:
     # dynamic=False: shapes are fixed per run (static shapes give the best kernels); a new shape just recompiles.
     # An unresolved `auto` (a caller that knows no plan) compiles as `default`: CUDA graphs only where the plan
     # says they are safe (the trainer resolves `auto` first).
+    if cfg.backend != "inductor":  # modes are inductor's (check_compile)
+        return torch.compile(fn, fullgraph=cfg.fullgraph, backend=cfg.backend, dynamic=False)
     mode = "default" if cfg.mode == "auto" else cfg.mode
     return torch.compile(fn, fullgraph=cfg.fullgraph, mode=mode, dynamic=False)
 

@@ -73,6 +73,10 @@ class CompileConfig:
     than an H100 runs them); `max-autotune` also benchmarks GEMM candidates (minutes of compile), with CUDA graphs;
     `max-autotune-no-cudagraphs` without them. `auto`: `reduce-overhead` where the plan allows CUDA graphs (a CUDA
     device, one process or DDP), else `default` (CPU, FSDP2 / HSDP); set `default` to turn CUDA graphs off."""
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    """`inductor` generates the kernels; `aot_eager` stops after Dynamo and AOTAutograd (the same graphs, graph
+    breaks and recompiles, run by eager ops): seconds instead of minutes of compile, for debugging graph breaks and
+    recompiles and for the CPU tests that check them. `mode` is inductor's: aot_eager takes `auto` or `default`."""
 
 
 @dataclass
