@@ -19,18 +19,18 @@ HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
-def signature(fn: triton.JITFunction, launch: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Each argument's Triton type: constexprs from the launch, pointers and descriptors from `tensors`, the rest
+def signature(fn: triton.JITFunction, consts: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each argument's Triton type: `consts`' names constexpr, pointers and descriptors from `tensors`, the rest
     the kernels' scalars (T and W int32, scales fp32)."""
     types = {}
     for name in fn.arg_names:
-        if name in launch:
+        if name in consts:
             types[name] = "constexpr"
         elif name in tensors:
             x = tensors[name]
             types[name] = f"*{TRITON_TYPES[x.dtype]}"
         elif name in ("K", "V"):  # TMA descriptors of one key step a box (triton_common.head_rows_operand)
-            types[name] = f"tensordesc<{TRITON_TYPES[tensors['Q'].dtype]}[1, {launch['BN']}, {launch['BD']}]>"
+            types[name] = f"tensordesc<{TRITON_TYPES[tensors['Q'].dtype]}[1, {consts['BN']}, {consts['BD']}]>"
         else:
             types[name] = "i32" if name in ("T", "W") else "fp32"
     return types
