@@ -3,6 +3,8 @@
     python bench/scaling.py recipes/nsa_125m_ddp.toml --plans ddp fsdp --gpus 1 2 4 --steps 60 --warmup 10
     python bench/scaling.py recipes/nsa_1b_fsdp2.toml --plans fsdp hsdp --gpus 1 2 4 --dp-replicate 2  # 2 x 2 at 4
     python bench/scaling.py recipes/debug.toml --gpus 1 2 --set training.device=cpu --steps 4 --warmup 1  # gloo
+    python bench/scaling.py recipes/nsa_125m.toml --plans fsdp --gpus 1 2 --context-parallel \
+        --set data.seq_len=131072 --set model.max_seq_len=131072 --set training.micro_batch_size=1  # one sequence
 
 Each GPU count N is one bench/compile_sweep.py sweep over the plans (parallelism.data_parallel = PLAN), every cell
 launched as `PYTHON -m torch.distributed.run --standalone --nproc-per-node N train.py RECIPE ...` in a fresh process
@@ -21,6 +23,10 @@ Columns: tokens_per_s = the whole job's median tokens/s after --warmup; tokens_p
 efficiency = per-GPU tokens/s over the same plan's at its fewest GPUs (1.0: perfect weak scaling); peak_mem_gib
 per GPU (max allocated on rank 0; peak RSS on CPU), mfu, compile_s, graph_breaks, recompiles, final_loss, status
 and exit_code as compile_sweep reads them.
+
+With --context-parallel the N GPUs of a cell share each sequence instead (parallelism.context_parallel_degree = N,
+docs/CONTEXT_PARALLEL.md): the step's tokens stay those of one rank at every N (strong scaling of one sequence), and
+efficiency = per-GPU tokens/s over one GPU's is the fraction of N x one GPU's throughput that N GPUs reach.
 
 Communication (CUDA only): each cell records a torch.profiler trace of its last --profile-steps steps (late, so
 that the profiler's own cost moves the steady median little) and `comm_breakdown` reads every rank's trace. On
@@ -59,10 +65,10 @@ from nsa_training.config import ConfigError, load_config
 from parallelisms import resolve_compile_mode
 from parallelisms.config import ParallelismConfig
 
-COLUMNS = ["plan", "gpus", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",
+COLUMNS = ["plan", "gpus", "cp", "global_batch_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "efficiency",
            "peak_mem_gib", "exposed_comm_ms", "comm_ms", "mfu", "compile_s", "graph_breaks", "recompiles",
            "final_loss", "status", "exit_code", "cell", "error"]
-PROFILE_COLUMNS = ["plan", "gpus", "step_ms", "compute_ms", "gpu_idle_ms", "comm_ms", "exposed_comm_ms",
+PROFILE_COLUMNS = ["plan", "gpus", "cp", "step_ms", "compute_ms", "gpu_idle_ms", "comm_ms", "exposed_comm_ms",
                    "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "profiled_steps", "cell"]
 COLLECTIVES = {"all_gather_ms": "allgather", "reduce_scatter_ms": "reducescatter", "all_reduce_ms": "allreduce"}
 PLANS = get_args(get_type_hints(ParallelismConfig)["data_parallel"])
@@ -173,12 +179,14 @@ def one_gpu_cells(recipe: str, overrides: dict[str, str], plans: list[str]) -> l
             for mode, shared in groups.items()]
 
 
-def plan_overrides(plan: str, dp_replicate: int) -> dict[str, str]:
-    """One plan's cell: parallelism.data_parallel, and for hsdp its replica groups (train.py refuses a count that
-    does not divide the GPUs, and that cell's row says so)."""
+def plan_overrides(plan: str, dp_replicate: int, cp: int) -> dict[str, str]:
+    """One plan's cell: parallelism.data_parallel, for hsdp its replica groups (train.py refuses a count that does
+    not divide the GPUs, and that cell's row says so), and the context-parallel degree where it is not 1."""
     cell = {"parallelism.data_parallel": plan}
     if plan == "hsdp" and dp_replicate > 1:
         cell["parallelism.dp_replicate"] = str(dp_replicate)
+    if cp > 1:
+        cell["parallelism.context_parallel_degree"] = str(cp)
     return cell
 
 
@@ -219,25 +227,30 @@ def scaling(args: argparse.Namespace) -> list[dict]:
                   f"profiling.num_steps={args.profile_steps}"] if args.profile_steps else [])
     rows = []
     for gpus in args.gpus:
-        print(f"== {gpus} GPU(s): {per_rank * gpus:,} tokens per step ==", flush=True)
+        cp = gpus if args.context_parallel else 1
+        step_tokens = per_rank * gpus // cp  # each sequence counted once: cp ranks share it
+        print(f"== {gpus} GPU(s), context-parallel degree {cp}: {step_tokens:,} tokens per step ==", flush=True)
         per_gpu_count = argparse.Namespace(**{
             **vars(args), "out": out / f"{gpus}gpu", "launcher": torchrun(args.python, gpus),
-            "set": [*profiling, *args.set, f"training.global_batch_tokens={per_rank * gpus}"]})
+            "set": [*profiling, *args.set, f"training.global_batch_tokens={step_tokens}"]})
         if gpus == 1:  # one process: the plans share a cell per compile mode
             cells = one_gpu_cells(args.recipe, overrides, args.plans)
         else:
-            cells = [(plan_overrides(plan, args.dp_replicate), [plan]) for plan in args.plans]
+            cells = [(plan_overrides(plan, args.dp_replicate, cp), [plan]) for plan in args.plans]
         results = sweep_from_args(per_gpu_count, args.recipe, [[cell for cell, _ in cells]])
         for row, (_, shared_by) in zip(results, cells, strict=True):
             cell = f"{gpus}gpu/{row['cell']}"
-            row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "global_batch_tokens": per_rank * gpus,
-                   "cell": cell}
+            row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "cp": cp,
+                   "global_batch_tokens": step_tokens, "cell": cell}
             rows += [{**row, "plan": plan} for plan in shared_by]
     rows.sort(key=lambda row: (args.plans.index(row["plan"]), row["gpus"]))
     add_efficiency(rows)
 
-    header = (f"Weak scaling of `{args.recipe}`: {per_rank:,} tokens per GPU per step, {args.steps} steps, medians "
-              f"after {args.warmup}; overrides {' '.join(args.set)}; {time.strftime('%Y-%m-%d')}.\n{machine()}"
+    scaling_kind = (f"Context parallelism (N GPUs share each sequence) of `{args.recipe}`: {per_rank:,} tokens per step"
+                    if args.context_parallel else
+                    f"Weak scaling of `{args.recipe}`: {per_rank:,} tokens per GPU per step")
+    header = (f"{scaling_kind}, {args.steps} steps, medians after {args.warmup}; overrides {' '.join(args.set)}; "
+              f"{time.strftime('%Y-%m-%d')}.\n{machine()}"
               "efficiency: per-GPU tokens/s over the same plan's on its fewest GPUs; peak_mem_gib per GPU; "
               f"exposed_comm_ms and comm_ms per step, from a trace of the last {args.profile_steps} steps.\n\n")
     table = save_table(out, "scaling", header, rows, COLUMNS)
@@ -259,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
     parser.add_argument("--dp-replicate", type=int, default=2,
                         help="the hsdp plan's replica groups (parallelism.dp_replicate; 2 on 4 GPUs: 2 x 2)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="N GPUs share each sequence (context_parallel_degree = N) instead of each taking its own")
     parser.add_argument("--profile-steps", type=int, default=2,
                         help="profile each cell's last N steps for the communication columns (0: none)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs torchrun and train.py")

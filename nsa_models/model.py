@@ -338,9 +338,12 @@ class Transformer(nn.Module):
         else:  # rows of the table, a gather (no data-dependent shape); positions restart at each document
             t = torch.arange(T, device=tokens.device) if positions is None else positions
             rope = self.rope[t if doc_start is None else t - doc_start]
-        # Masks are built here, outside the (possibly checkpointed) blocks, and shared by all of them.
+        # Masks are built here, outside the (possibly checkpointed) blocks, and shared by all of them. Tokens that
+        # are a part of their sequence (positions given) get none: their window depends on where the part's queries
+        # sit among the gathered keys, which only the core that attends them knows (context parallelism's cores
+        # build their chunks' masks).
         if self.args.attention == "nsa":
-            mask = window_mask(T, self.args.nsa, tokens.device, doc_start=doc_start)
+            mask = window_mask(T, self.args.nsa, tokens.device, doc_start=doc_start) if positions is None else None
         else:
             mask = None if doc_start is None else document_mask(doc_start)
         layer_stats = []

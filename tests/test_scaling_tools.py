@@ -76,6 +76,26 @@ def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
     assert ddp_two[:3] == ["| ddp", "2", "512"] and float(ddp_two[3].replace(",", "")) > 0
 
 
+def test_context_parallel_cells_share_each_sequence_and_match_one_process(tmp_path):
+    out = tmp_path / "cp"
+    tiny_cp = [arg if not arg.startswith("data.seq_len") else "data.seq_len=256" for arg in TINY]
+    result = run_script("bench/scaling.py", "recipes/debug.toml", "--plans", "fsdp", "--gpus", "1", "2",
+                        "--context-parallel", "--out", str(out), *tiny_cp)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out / "scaling.csv") as f:
+        one, two = list(csv.DictReader(f))
+    # Both cells train the same 2 sequences a step: 2 GPUs share each one (cp = 2) instead of taking one each.
+    assert [(r["gpus"], r["cp"], r["global_batch_tokens"], r["status"]) for r in (one, two)] == [
+        ("1", "1", "512", "ok"), ("2", "2", "512", "ok")]
+    config = (out / two["cell"] / "config.toml").read_text()
+    assert "context_parallel_degree = 2\n" in config and "global_batch_tokens = 512\n" in config
+    assert "(1 data-parallel x 2 context-parallel)" in (out / two["cell"] / "output.log").read_text()
+    assert float(two["efficiency"]) == pytest.approx(float(two["tokens_per_s"]) / 2 / float(one["tokens_per_s"]))
+    # The same sequences and math: the CP losses are the one process's (fp32 on CPU).
+    assert float(two["final_loss"]) == pytest.approx(float(one["final_loss"]), rel=1e-5)
+    assert "Context parallelism (N GPUs share each sequence)" in (out / "scaling.md").read_text()
+
+
 @pytest.mark.parametrize("overrides, expected", [
     # CUDA, compile.mode = auto: one process gets CUDA graphs, FSDP2 / HSDP on several GPUs cannot use them.
     ({}, [({"parallelism.data_parallel": "ddp"}, ["ddp"]),

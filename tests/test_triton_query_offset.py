@@ -104,6 +104,31 @@ def test_kernels_without_an_offset_are_refused():
     check_query_offset(NSAArgs(backend="triton", window_backend="sdpa"))
 
 
+def test_chunk_window_masks_compile_once_for_every_offset():
+    """The chunks' FlexAttention window masks (built by a compiled kernel) at two offsets: one compiled graph, not
+    one per chunk (an int offset in the mask's closure was a constant Dynamo guarded on), and each mask equal to
+    the one built without compile at its offset."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from nsa_models.nsa.triton_backend import _window_block_mask
+
+    C, TK, w = 256, 1024, 200
+    before = counters["stats"]["unique_graphs"]
+    masks = {start: _window_block_mask(C, w, "cpu", q_start=start, kv_len=TK) for start in (0, 3 * C)}
+    assert counters["stats"]["unique_graphs"] - before == 1
+    for start, mask in masks.items():
+        def window(b, h, q_idx, kv_idx, start=start):
+            return (kv_idx <= q_idx + start) & (q_idx + start - kv_idx < w)
+
+        want = create_block_mask(window, None, None, C, TK, device="cpu", _compile=False)
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(mask, name), getattr(want, name)), f"{name} at q_start = {start}"
+        n = want.kv_num_blocks[0, 0]
+        for row, count in enumerate(n.tolist()):  # indices past a row's count are unused
+            assert torch.equal(mask.kv_indices[0, 0, row, :count], want.kv_indices[0, 0, row, :count]), start
+
+
 @pytest.mark.gpu
 def test_query_offset_on_gpu_matches_reference():
     """nsa-125m's heads (G = 3, D = 64, 4 KV heads) at 8k in bf16, as 2-way CP's rank 0 runs them: chunks 0 and 3

@@ -54,8 +54,12 @@ def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: boo
     """FlexAttention block mask of keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0) for the seq_len
     queries at positions t = q_start .. q_start+seq_len-1 of kv_len keys (None: seq_len), built by a compiled
     kernel outside torch.compile."""
+    # The offset as a tensor: the compiled mask kernel reads it as an input, where an int in the closure is a
+    # constant Dynamo guards on (one compile per chunk offset under context parallelism).
+    offset = torch.tensor(q_start, device=device)
+
     def sliding_window(b, h, q_idx, kv_idx):
-        t = q_idx + q_start
+        t = q_idx + offset
         return (kv_idx <= t) & (t - kv_idx < window)
 
     def document_window(b, h, q_idx, kv_idx):
