@@ -39,7 +39,9 @@ host launching later) counts that wait as communication; the profiler slows the 
 exposed time is an upper bound for the steady steps'. Overlapped communication still slows compute (NCCL takes SMs
 and memory bandwidth): that shows as lost efficiency with little exposed time.
 profile.md adds, per step, the wall time, the GPU's compute time, its idle time (no kernel running: the host
-launching too slowly, or waiting) and the kernel time of all-gathers, reduce-scatters and all-reduces.
+launching too slowly, or waiting) and the kernel time of all-gathers, reduce-scatters and all-reduces; kernels.md,
+each cell's rank 0 by kernel family and kernel (bench/profile_step.py's tables), to compare where the GPU time of 1
+and N GPUs goes.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import time
 from pathlib import Path
 from typing import get_args, get_type_hints
 
+from benchmarking.kernels import summarize
 from benchmarking.sweep import (
     REPO,
     SYNTHETIC_DATA,
@@ -140,6 +143,16 @@ def read_profiles(run_dir: Path) -> dict[str, float] | None:
     ranks = [comm_breakdown(json.loads(path.read_text())) for path in sorted((run_dir / "profile").glob("*.json"))]
     ranks = [r for r in ranks if r is not None]
     return max(ranks, key=lambda r: r["exposed_comm_ms"]) if ranks else None
+
+
+def kernel_report(run_dir: Path, n_layers: int) -> str | None:
+    """`benchmarking.kernels.summarize` of rank 0's trace in `run_dir`/profile (GPU time per kernel family and per
+    kernel, launches per block); None without GPU kernels (a CPU run)."""
+    traces = sorted((run_dir / "profile").glob("rank0.*json"))
+    events = json.loads(traces[0].read_text()).get("traceEvents", []) if traces else []
+    if not any(e.get("ph") == "X" and e.get("cat") == "kernel" for e in events):
+        return None
+    return summarize(events, n_layers, top=15)
 
 
 def tokens_per_rank(recipe: str, overrides: dict[str, str], grad_accum: int) -> int:
@@ -244,6 +257,12 @@ def scaling(args: argparse.Namespace) -> list[dict]:
                    "global_batch_tokens": step_tokens, "cell": cell}
             rows += [{**row, "plan": plan} for plan in shared_by]
     rows.sort(key=lambda row: (args.plans.index(row["plan"]), row["gpus"]))
+    model_keys = [f"--{key}={value}" for key, value in overrides.items() if key.startswith("model.")]
+    n_layers = load_config([args.recipe, *model_keys])[0].model.n_layers
+    reports = {cell: kernel_report(out / cell, n_layers) for cell in dict.fromkeys(row["cell"] for row in rows)}
+    reports = {cell: report for cell, report in reports.items() if report}
+    if reports:
+        (out / "kernels.md").write_text("".join(f"## {cell}\n\n{report}\n" for cell, report in reports.items()))
     add_efficiency(rows)
 
     scaling_kind = (f"Context parallelism (N GPUs share each sequence) of `{args.recipe}`: {per_rank:,} tokens per step"
@@ -260,7 +279,8 @@ def scaling(args: argparse.Namespace) -> list[dict]:
     profiles = save_table(out, "profile", profile_header, [r for r in rows if r.get("step_ms", "") != ""],
                           PROFILE_COLUMNS)
     print("\n" + table + "\n" + profiles + f"\nsaved {out / 'scaling.md'}, {out / 'scaling.csv'} and "
-          f"{out / 'profile.md'}", flush=True)
+          f"{out / 'profile.md'}" + (f"; rank 0's GPU time by kernel family: {out / 'kernels.md'}" if reports else ""),
+          flush=True)
     return rows
 
 

@@ -1,20 +1,16 @@
-"""bench/profile_step.py's trace arithmetic on a hand-made trace whose answers are known."""
+"""The profiled steps' kernel breakdown (benchmarking/kernels.py: bench/profile_step.py and bench/scaling.py print
+it) on a hand-made trace whose answers are known."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "bench" / "profile_step.py")
-profile_step = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(profile_step)
+from benchmarking import kernels
 
 
 def test_union_of_overlapping_intervals():
-    assert profile_step.union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == pytest.approx(2.5)
-    assert profile_step.union_ms([(0, 4000), (1000, 2000)]) == pytest.approx(4.0)
+    assert kernels.union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == pytest.approx(2.5)
+    assert kernels.union_ms([(0, 4000), (1000, 2000)]) == pytest.approx(4.0)
 
 
 def test_summary_of_two_steps():
@@ -28,7 +24,7 @@ def test_summary_of_two_steps():
         events += [x("cudaLaunchKernel", start + 1000 * i, 500, "cuda_runtime") for i in range(1, 6, 2)]
         events += [x("sm90_xmma_gemm_bf16", start + 2000, 2000), x("_fwd_kernel", start + 3000, 2000),
                    x("triton_poi_fused_add_0", start + 7000, 1000)]
-    text = profile_step.summarize(events, n_layers=2)
+    text = kernels.summarize(events, n_layers=2)
     assert "step 10.00 ms, GPU busy 4.00 ms (40%), host enqueue 5.50 ms, 3 kernel launches per step" in text
     assert "| GEMM | 2.00 | 40.0% | 1 | 0.5 |" in text
     assert "| NSA Triton kernels | 2.00 | 40.0% | 1 | 0.5 |" in text
