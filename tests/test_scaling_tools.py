@@ -69,11 +69,11 @@ def test_weak_scaling_rows_efficiency_and_a_failing_plan(tmp_path):
 
     # The printed table is the saved one: a row per plan and GPU count, numeric tokens/s where the cell ran.
     table = [line for line in (out / "scaling.md").read_text().splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| plan | gpus | global_batch_tokens | tokens_per_s | tokens_per_s_per_gpu | efficiency"
-                               " | peak_mem_gib | exposed_comm_ms | comm_ms |")
+    assert table[0].startswith("| plan | gpus | cp | global_batch_tokens | tokens_per_s | tokens_per_s_per_gpu | "
+                               "efficiency | peak_mem_gib | exposed_comm_ms | comm_ms |")
     assert all(line in result.stdout for line in table) and len(table) == 1 + len(rows)
     ddp_two = table[2].split(" | ")
-    assert ddp_two[:3] == ["| ddp", "2", "512"] and float(ddp_two[3].replace(",", "")) > 0
+    assert ddp_two[:4] == ["| ddp", "2", "1", "512"] and float(ddp_two[4].replace(",", "")) > 0
 
 
 def test_context_parallel_cells_share_each_sequence_and_match_one_process(tmp_path):
