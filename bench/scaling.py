@@ -137,19 +137,23 @@ def comm_breakdown(trace: dict) -> dict[str, float] | None:
     return result
 
 
-def read_profiles(run_dir: Path) -> dict[str, float] | None:
-    """comm_breakdown of every rank's trace in `run_dir`/profile, taken from the rank with the most exposed
-    communication (the one the others wait for at the next collective); None without GPU traces."""
-    ranks = [comm_breakdown(json.loads(path.read_text())) for path in sorted((run_dir / "profile").glob("*.json"))]
-    ranks = [r for r in ranks if r is not None]
+def read_traces(run_dir: Path) -> dict[str, dict]:
+    """Every rank's torch.profiler trace in `run_dir`/profile, by file name (rank<i>.<...>.json), read once for
+    both reports below (a trace of two long steps runs to tens of MB)."""
+    return {path.name: json.loads(path.read_text()) for path in sorted((run_dir / "profile").glob("*.json"))}
+
+
+def read_profiles(traces: dict[str, dict]) -> dict[str, float] | None:
+    """comm_breakdown of every rank's trace, taken from the rank with the most exposed communication (the one the
+    others wait for at the next collective); None without GPU traces."""
+    ranks = [r for r in map(comm_breakdown, traces.values()) if r is not None]
     return max(ranks, key=lambda r: r["exposed_comm_ms"]) if ranks else None
 
 
-def kernel_report(run_dir: Path, n_layers: int) -> str | None:
-    """`benchmarking.kernels.summarize` of rank 0's trace in `run_dir`/profile (GPU time per kernel family and per
-    kernel, launches per block); None without GPU kernels (a CPU run)."""
-    traces = sorted((run_dir / "profile").glob("rank0.*json"))
-    events = json.loads(traces[0].read_text()).get("traceEvents", []) if traces else []
+def kernel_report(traces: dict[str, dict], n_layers: int) -> str | None:
+    """`benchmarking.kernels.summarize` of rank 0's trace (GPU time per kernel family and per kernel, launches per
+    block); None without GPU kernels (a CPU run)."""
+    events = next((trace.get("traceEvents", []) for name, trace in traces.items() if name.startswith("rank0.")), [])
     if not any(e.get("ph") == "X" and e.get("cat") == "kernel" for e in events):
         return None
     return summarize(events, n_layers, top=15)
@@ -238,7 +242,9 @@ def scaling(args: argparse.Namespace) -> list[dict]:
 
     profiling = (["profiling.enable=true", f"profiling.start_step={args.steps - args.profile_steps + 1}",
                   f"profiling.num_steps={args.profile_steps}"] if args.profile_steps else [])
-    rows = []
+    model_keys = [f"--{key}={value}" for key, value in overrides.items() if key.startswith("model.")]
+    n_layers = load_config([args.recipe, *model_keys])[0].model.n_layers
+    rows, reports = [], {}
     for gpus in args.gpus:
         cp = gpus if args.context_parallel else 1
         step_tokens = per_rank * gpus // cp  # each sequence counted once: cp ranks share it
@@ -253,13 +259,12 @@ def scaling(args: argparse.Namespace) -> list[dict]:
         results = sweep_from_args(per_gpu_count, args.recipe, [[cell for cell, _ in cells]])
         for row, (_, shared_by) in zip(results, cells, strict=True):
             cell = f"{gpus}gpu/{row['cell']}"
-            row = {**row, **(read_profiles(out / cell) or {}), "gpus": gpus, "cp": cp,
+            traces = read_traces(out / cell)
+            reports[cell] = kernel_report(traces, n_layers)
+            row = {**row, **(read_profiles(traces) or {}), "gpus": gpus, "cp": cp,
                    "global_batch_tokens": step_tokens, "cell": cell}
             rows += [{**row, "plan": plan} for plan in shared_by]
     rows.sort(key=lambda row: (args.plans.index(row["plan"]), row["gpus"]))
-    model_keys = [f"--{key}={value}" for key, value in overrides.items() if key.startswith("model.")]
-    n_layers = load_config([args.recipe, *model_keys])[0].model.n_layers
-    reports = {cell: kernel_report(out / cell, n_layers) for cell in dict.fromkeys(row["cell"] for row in rows)}
     reports = {cell: report for cell, report in reports.items() if report}
     if reports:
         (out / "kernels.md").write_text("".join(f"## {cell}\n\n{report}\n" for cell, report in reports.items()))

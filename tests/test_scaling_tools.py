@@ -151,18 +151,18 @@ def test_comm_breakdown_counts_only_communication_no_compute_overlaps():
 def test_kernel_report_reads_rank_0s_trace_and_skips_cpu_runs(tmp_path):
     import json
 
-    from bench.scaling import kernel_report
+    from bench.scaling import kernel_report, read_traces
 
     step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0.0, "dur": 10_000.0}
     (tmp_path / "profile").mkdir()
     for rank, names in ((0, ["_fwd_kernel", "sm90_xmma_gemm_bf16"]), (1, ["triton_poi_fused_0"])):
         events = [step] + [kernel(name, 1000.0 * i, 1000.0 * i + 2000.0) for i, name in enumerate(names)]
         (tmp_path / "profile" / f"rank{rank}.123.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
-    report = kernel_report(tmp_path, n_layers=2)
+    report = kernel_report(read_traces(tmp_path), n_layers=2)
     assert "| NSA Triton kernels | 2.00 | 50.0% | 1 | 0.5 |" in report and "| GEMM | 2.00 | 50.0% | 1 | 0.5 |" in report
     assert "inductor" not in report  # rank 1's kernels are not rank 0's
     (tmp_path / "profile" / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": [step]}))
-    assert kernel_report(tmp_path, n_layers=2) is None  # a CPU run's trace: no GPU kernels
+    assert kernel_report(read_traces(tmp_path), n_layers=2) is None  # a CPU run's trace: no GPU kernels
 
 
 def test_per_rank_tokens_and_argument_errors(capsys):
