@@ -41,10 +41,13 @@ def row_offset(Q0, Q0_ODD, b):
     return Q0 + (b % 2) * (Q0_ODD - Q0)
 
 
-def query_offsets(q_start: int | tuple[int, int]) -> tuple[int, int]:
-    """(even rows', odd rows') first query positions of a q_start argument: one position for every batch row, or
-    a pair that alternates between rows (a context-parallel shard's chunks, `row_offset`)."""
-    return (q_start, q_start) if isinstance(q_start, int) else (int(q_start[0]), int(q_start[1]))
+def query_offsets(q_start: int | tuple[int, int], q_start_odd: int | None = None) -> tuple[int, int]:
+    """(even rows', odd rows') first query positions: q_start for every batch row, or a pair that alternates
+    between rows (a context-parallel shard's chunks, `row_offset`), given as a tuple or as the kernels' ops take
+    it (q_start, q_start_odd; None: the same as q_start)."""
+    if not isinstance(q_start, int):
+        return int(q_start[0]), int(q_start[1])
+    return q_start, q_start if q_start_odd is None else q_start_odd
 
 
 @triton.jit

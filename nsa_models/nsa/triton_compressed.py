@@ -43,6 +43,7 @@ from nsa_models.nsa.triton_common import (
     load_head_rows,
     load_rows,
     online_softmax_update,
+    query_offsets,
     row_offset,
     softmax_output,
 )
@@ -358,8 +359,8 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC, q_start,
-                      q_start if q_start_odd is None else q_start_odd, scale * LOG2E, H=H, L=block,
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC,
+                      *query_offsets(q_start, q_start_odd), scale * LOG2E, H=H, L=block,
                       S=stride, BN=_KEYS, DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
@@ -382,7 +383,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
                              q_start: int = 0, q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
-    q_start_odd = q_start if q_start_odd is None else q_start_odd
+    q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     doc_start = _contiguous(doc_start)
     doc_end = None if doc_start is None else _document_ends(doc_start)
     B, T, HQ, D = q.shape

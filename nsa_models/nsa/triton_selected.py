@@ -457,7 +457,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
     items ... tile_bits: `work_lists(q, k, block_indices, block_size)`; q_start: the first query's position
     (q_start_odd: in odd batch rows, if it differs)."""
-    q_starts = (q_start, q_start if q_start_odd is None else q_start_odd)
+    q_starts = query_offsets(q_start, q_start_odd)
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -577,7 +577,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
                            scale: float, q_start: int = 0,
                            q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
-    q_starts = (q_start, q_start if q_start_odd is None else q_start_odd)
+    q_starts = query_offsets(q_start, q_start_odd)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape

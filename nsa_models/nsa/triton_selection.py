@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows, row_offset
+from nsa_models.nsa.triton_common import LOG2E, load_head_rows, query_offsets, row_offset
 from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _sees, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
@@ -142,7 +142,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
                          "l' + d (a compressed block overlaps at most two selection blocks)")
     q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
     tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
-    q_start_odd = q_start if q_start_odd is None else q_start_odd
+    q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     # Blocks up to the last query's: later ones are never candidates (the keys may run on past it).
     n_sel = triton.cdiv(max(q_start, q_start_odd) + T, sel_block)
     idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
