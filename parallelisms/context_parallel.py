@@ -9,8 +9,9 @@ straddle the chunks). Each rank then computes the compressed keys of the whole s
 queries at their global positions: the compressed branch, the top-n selection (local: a query's selection depends
 only on its own compressed scores) and the window, whose keys in earlier chunks are in the gathered sequence.
 The all-gather's backward reduce-scatters the key/value gradients back to the ranks that own them. The NSA core
-runs the configured backend with the chunk's first position (`nsa_attention(..., q_start=)`): the reference, or the
-triton kernels with the FlexAttention (or SDPA) window, whose per-chunk masks the model's pre-hook builds.
+runs the configured backend once for both chunks, as the rows of one batch with the pair of their first positions
+(`nsa_attention(..., q_start=(first, second))`): the reference, or the triton kernels with the FlexAttention (or
+SDPA) window, whose mask the model's pre-hook builds.
 
 Gradients: each rank's loss is the mean over its tokens, and every shard holds as many labelled tokens (no
 padding: `data.document_mask` is refused), so the mean of the CP ranks' gradients is the one-process gradient;
@@ -65,53 +66,74 @@ class GatheredKV(SequenceKV):
         return _gather_sequence(torch.cat([k, v], dim=2), self.mesh).chunk(2, dim=2)
 
 
+def _chunk_rows(x: Tensor, chunks: int) -> Tensor:
+    """[B, chunks * C, ...] -> [B * chunks, C, ...]: row b * chunks + i holds chunk i of sequence b."""
+    return x.unflatten(1, (chunks, -1)).flatten(0, 1)
+
+
+def _sequence_rows(tensors: list[Tensor], chunks: int) -> list[Tensor]:
+    """Each [B, ...] tensor with every row repeated for its sequence's chunks (the same tensor given twice, e.g. the
+    shared keys of two branches, is copied once)."""
+    copies: list[tuple[Tensor, Tensor]] = []
+    for x in tensors:
+        if not any(x is seen for seen, _ in copies):
+            copies.append((x, x.repeat_interleave(chunks, dim=0)))
+    return [next(copy for seen, copy in copies if x is seen) for x in tensors]
+
+
 class ShardNSACore(NSACore):
-    """NSACore for a shard's queries (its two chunks) against the gathered sequence: each chunk is one call of the
-    configured NSA backend with the chunk's first position (`q_start`), so its causal masks, window and top-n
-    candidates are those of its global positions."""
+    """NSACore for a shard's queries (its two chunks) against the gathered sequence: one call of the configured NSA
+    backend whose batch rows are the chunks (row 2b + i: chunk i of sequence b, with sequence b's keys and values
+    repeated for both) and whose q_start is the pair of the chunks' first positions (even rows, odd rows), so that
+    each chunk's causal masks, window and top-n candidates are those of its global positions. One call instead of
+    one per chunk halves the layer's NSA kernel launches."""
 
     def __init__(self, core: NSACore, mesh: DeviceMesh):
         super().__init__(core.nsa)
         self.cp = mesh.size()
         self.chunks = _chunks(self.cp, mesh.get_local_rank())
-        self.window_masks: tuple[BlockMask | None, ...] = (None, None)
+        self.window_mask: BlockMask | None = None
 
-    def build_window_masks(self, seq_len: int, device: torch.device) -> None:
-        """The chunks' FlexAttention window masks for sequences of seq_len tokens (None where the backend needs
-        none). The model's pre-hook calls it, outside compiled and checkpointed code: built inside a checkpointed
-        compiled block a mask fails in Dynamo, and the model's own mask (`window_mask` of the shard's length) has
-        neither the chunks' offsets nor the gathered keys' length. Eager masks are cached: the same objects every
-        step, so compiled blocks that read them do not recompile."""
+    def _offsets(self, seq_len: int) -> tuple[int, int]:
         C = seq_len // (2 * self.cp)
-        self.window_masks = tuple(window_mask(C, self.nsa, device, q_start=chunk * C, kv_len=seq_len)
-                                  for chunk in self.chunks)
+        first, second = self.chunks
+        return first * C, second * C
+
+    def build_window_masks(self, seq_len: int, batch: int, device: torch.device) -> None:
+        """The chunks' FlexAttention window mask for `batch` sequences of seq_len tokens (None where the backend
+        needs none). The model's pre-hook calls it, outside compiled and checkpointed code: built inside a
+        checkpointed compiled block a mask fails in Dynamo, and the model builds none for a part of a sequence.
+        Eager masks are cached: the same object every step, so compiled blocks that read it do not recompile."""
+        self.window_mask = window_mask(seq_len // (2 * self.cp), self.nsa, device, q_start=self._offsets(seq_len),
+                                       kv_len=seq_len, batch=2 * batch)
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
                 doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """NSACore's outputs for the shard's queries, the telemetry at their global positions. The model's
-        window_mask (of the shard's length) is not used: the chunks take theirs (`build_window_masks`). doc_start
-        is None: `parallelisms.config.check_context_parallel` refuses data.document_mask."""
-        C = q.shape[1] // 2
-        parts = [nsa_attention(q[:, i * C:(i + 1) * C], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp,
-                               gates[:, i * C:(i + 1) * C], self.nsa, window_mask=mask, q_start=chunk * C)
-                 for i, (chunk, mask) in enumerate(zip(self.chunks, self.window_masks))]
-        # out [B, C, HQ, D], block indices [B, H, C, n], entropy [B, C, HQ]: the two chunks in shard order
-        out, idx, entropy = (torch.cat(pieces, dim) for pieces, dim in zip(zip(*parts), (1, 2, 1)))
+        """NSACore's outputs for the shard's queries, the telemetry at their global positions. The model passes no
+        window_mask for a part of a sequence: the chunks take theirs (`build_window_masks`). doc_start is None:
+        `parallelisms.config.check_context_parallel` refuses data.document_mask."""
+        B, C, seq_len = q.shape[0], q.shape[1] // 2, k_slc.shape[1]
+        kv = _sequence_rows([k_slc, v_slc, k_win, v_win, k_cmp, v_cmp], 2)
+        out, idx, entropy = nsa_attention(_chunk_rows(q, 2), *kv, _chunk_rows(gates, 2), self.nsa,
+                                          window_mask=self.window_mask, q_start=self._offsets(seq_len))
+        # back to the shard's order: out [B, 2C, HQ, D], block indices [B, H, 2C, n], entropy [B, 2C, HQ]
+        out, entropy = (x.unflatten(0, (B, 2)).flatten(1, 2) for x in (out, entropy))
+        idx = idx.unflatten(0, (B, 2)).transpose(1, 2).flatten(2, 3)
         positions = torch.cat([torch.arange(chunk * C, (chunk + 1) * C, device=q.device) for chunk in self.chunks])
-        return out, nsa_stats(gates, idx, entropy, self.nsa, positions=positions, seq_len=k_slc.shape[1])
+        return out, nsa_stats(gates, idx, entropy, self.nsa, positions=positions, seq_len=seq_len)
 
 
 def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of the model: the global positions of the shard's tokens (its RoPE rows), and the NSA
-    cores' window masks for the whole sequence's length."""
+    cores' window mask for the whole sequence's length."""
     tokens = args[0]
     seq_len = tokens.shape[1] * mesh.size()
     positions = torch.arange(seq_len, device=tokens.device)
     kwargs["positions"] = shard_sequence(positions[None], mesh)[0]
     for core in module.modules():
         if isinstance(core, ShardNSACore):
-            core.build_window_masks(seq_len, tokens.device)
+            core.build_window_masks(seq_len, tokens.shape[0], tokens.device)
     return args, kwargs
 
 

@@ -67,7 +67,7 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> No
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
                   window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
-                  q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                  q_start: int | tuple[int, int] = 0) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output [B, T, HQ, D], selected block indices [B, H, T, n] (int64, -1 = padding) and the entropy
     [B, T, HQ] (fp32, detached, nats) of each query head's compressed-attention distribution, 0 for a query that
     sees no compressed block (telemetry: `nsa_models.telemetry.nsa_stats`).
@@ -79,22 +79,25 @@ def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win:
     [B, T], the position of each token's document's first token (a multiple of `sel_block_size`): every packed
     document then attends as if run alone; None: one sequence per row. q_start: the T queries (and their gates,
     block indices, doc_start and window_mask) are positions q_start .. q_start+T-1 of the sequence that the keys
-    and values span whole (context parallelism's chunks of a shard); the triton backend takes it with the kernels
-    that `triton_backend.check_query_offset` accepts. `check_backend` says whether args' backends can run here.
+    and values span whole (context parallelism's chunks of a shard), or a pair of offsets for the even and the odd
+    batch rows (a shard's two chunks as the rows of one call); the triton backend takes it with the kernels that
+    `triton_backend.check_query_offset` accepts. `check_backend` says whether args' backends can run here.
     """
     return BACKENDS[args.backend](q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, args, block_indices,
                                   window_mask, doc_start, q_start)
 
 
 def window_mask(seq_len: int, args: NSAArgs, device: torch.device, doc_start: Tensor | None = None,
-                q_start: int = 0, kv_len: int | None = None) -> BlockMask | None:
+                q_start: int | tuple[int, int] = 0, kv_len: int | None = None,
+                batch: int | None = None) -> BlockMask | None:
     """The FlexAttention BlockMask of the window (stopping at document starts when doc_start [B, T] is given) when
     the triton backend runs it through FlexAttention on a GPU, else None. Build it once per forward outside
     activation-checkpointed regions (building it inside a checkpointed compiled block fails in Dynamo: "HOP:
     unsafe side effect") and pass it to every layer. q_start, kv_len: the mask of seq_len queries at positions
-    q_start .. of kv_len keys (`nsa_attention`'s q_start; None: seq_len keys)."""
+    q_start .. of kv_len keys (`nsa_attention`'s q_start; None: seq_len keys); a pair of offsets needs the batch
+    rows' number."""
     if args.backend != "triton" or args.window_backend != "flex" or device.type != "cuda":
         return None
     from nsa_models.nsa.triton_backend import window_block_mask
 
-    return window_block_mask(seq_len, args.window_size, device, doc_start, q_start, kv_len)
+    return window_block_mask(seq_len, args.window_size, device, doc_start, q_start, kv_len, batch)

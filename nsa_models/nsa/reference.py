@@ -154,14 +154,27 @@ def _chunk(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor
 def nsa_reference(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                   v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
                   window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
-                  q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                  q_start: int | tuple[int, int] = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed
     entropy [B, T, HQ]). doc_start: int32 [B, T] first position of each query's document (module docstring), or
     None. window_mask is not used: this backend masks the window itself.
 
     q_start: the position of the first query. The T queries (and their gates, block indices and doc_start) are
     positions q_start .. q_start+T-1 of the sequence that the keys and values span whole (context parallelism:
-    one chunk of a shard's queries against the gathered sequence); 0: queries and keys are the same positions."""
+    one chunk of a shard's queries against the gathered sequence); 0: queries and keys are the same positions. A
+    pair (even, odd): the even batch rows' first position and the odd rows' (a shard's two chunks in one call)."""
+    if not isinstance(q_start, int):  # each parity of rows on its own, then the rows back in their order
+        B = q.shape[0]
+        parities = [torch.arange(first, B, 2, device=q.device) for first in (0, 1)]
+
+        def rows(x: Tensor | None, parity: Tensor) -> Tensor | None:
+            return None if x is None else x[parity]
+
+        parts = [nsa_reference(*(x[parity] for x in (q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates)), args,
+                               rows(block_indices, parity), None, rows(doc_start, parity), start)
+                 for parity, start in zip(parities, q_start)]
+        order = torch.cat(parities).argsort()
+        return tuple(torch.cat(pieces)[order] for pieces in zip(*parts))
     B, T, HQ, D = q.shape
     H = k_slc.shape[2]
     G = HQ // H

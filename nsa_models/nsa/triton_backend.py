@@ -20,8 +20,9 @@ FlashAttention-4 run each document as one of their variable-length sequences (`v
 branch is unchanged.
 
 Queries at an offset (`q_start`, context parallelism's chunk of a shard): the T queries are positions
-q_start .. q_start+T-1 of the keys' sequence. The Triton kernels take it as a runtime argument (no recompile per
-offset), the FlexAttention and SDPA windows in their masks; FlashAttention's windows, the fused sweep and
+q_start .. q_start+T-1 of the keys' sequence; a pair of offsets applies to the even and the odd batch rows in turn
+(a shard's two chunks as the rows of one call). The Triton kernels take them as runtime arguments (no recompile
+per offset), the FlexAttention and SDPA windows in their masks; FlashAttention's windows, the fused sweep and
 FlashAttention-4's compressed branch take none (refused).
 """
 
@@ -37,6 +38,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
 from nsa_models.nsa.flex import flex
+from nsa_models.nsa.triton_common import query_offsets
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
 from nsa_models.nsa.triton_selected_window import selected_window_attention
@@ -50,16 +52,21 @@ _WINDOW_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: bool = True,
-                       doc_start: Tensor | None = None, q_start: int = 0, kv_len: int | None = None) -> BlockMask:
+                       doc_start: Tensor | None = None, q_start: int | tuple[int, int] = 0, kv_len: int | None = None,
+                       batch: int | None = None) -> BlockMask:
     """FlexAttention block mask of keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0) for the seq_len
     queries at positions t = q_start .. q_start+seq_len-1 of kv_len keys (None: seq_len), built by a compiled
-    kernel outside torch.compile."""
-    # The offset as a tensor: the compiled mask kernel reads it as an input, where an int in the closure is a
+    kernel outside torch.compile. A pair of offsets (even batch rows', odd rows') needs the batch size."""
+    # The offsets as a tensor: the compiled mask kernel reads them as an input, where an int in the closure is a
     # constant Dynamo guards on (one compile per chunk offset under context parallelism).
-    offset = torch.tensor(q_start, device=device)
+    even, odd = query_offsets(q_start)
+    offsets = torch.tensor((even, odd), device=device)
+    per_row = even != odd
+    if per_row and batch is None:
+        raise ValueError(f"window mask: a q_start per row parity {q_start} needs the batch size")
 
     def sliding_window(b, h, q_idx, kv_idx):
-        t = q_idx + offset
+        t = q_idx + (offsets[b % 2] if per_row else offsets[0])
         return (kv_idx <= t) & (t - kv_idx < window)
 
     def document_window(b, h, q_idx, kv_idx):
@@ -67,7 +74,8 @@ def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: boo
 
     kv_len = seq_len if kv_len is None else kv_len
     if doc_start is None:
-        return create_block_mask(sliding_window, None, None, seq_len, kv_len, device=device, _compile=compile_mask)
+        return create_block_mask(sliding_window, batch if per_row else None, None, seq_len, kv_len, device=device,
+                                 _compile=compile_mask)
     return create_block_mask(document_window, doc_start.shape[0], None, seq_len, kv_len, device=device,
                              _compile=compile_mask)
 
@@ -76,21 +84,24 @@ _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 
 
 def window_block_mask(seq_len: int, window: int, device: torch.device, doc_start: Tensor | None = None,
-                      q_start: int = 0, kv_len: int | None = None) -> BlockMask:
+                      q_start: int | tuple[int, int] = 0, kv_len: int | None = None,
+                      batch: int | None = None) -> BlockMask:
     """The window's FlexAttention BlockMask, stopping at document starts when doc_start [B, T] is given: cached in
     eager code without documents (their mask changes every batch), traced (no caches) inside torch.compile.
-    q_start, kv_len: the seq_len queries are positions q_start .. of kv_len keys (None: the queries')."""
+    q_start, kv_len: the seq_len queries are positions q_start .. of kv_len keys (None: the queries'); a pair of
+    offsets alternates between batch rows (even, odd), and then `batch` is the rows' number."""
     if doc_start is not None or torch.compiler.is_compiling():
         return _window_block_mask(seq_len, window, str(device), not torch.compiler.is_compiling(), doc_start,
-                                  q_start, kv_len)
-    return _cached_window_block_mask(seq_len, window, str(device), True, None, q_start, kv_len)
+                                  q_start, kv_len, batch)
+    return _cached_window_block_mask(seq_len, window, str(device), True, None, q_start, kv_len, batch)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask: BlockMask | None = None,
-                     doc_start: Tensor | None = None, q_start: int = 0) -> Tensor:
+                     doc_start: Tensor | None = None, q_start: int | tuple[int, int] = 0) -> Tensor:
     """Sliding-window attention over keys max(doc_start[b, t], t-w+1) .. t (doc_start None: 0); [B, T, HQ, D]
-    for the queries at positions t = q_start .. q_start+T-1 of k, v [B, TK, H, D]. block_mask: the FlexAttention
-    window mask (`window_block_mask`, of the same documents and offset), built here when None."""
+    for the queries at positions t = q_start .. q_start+T-1 of k, v [B, TK, H, D] (a pair of offsets: the even
+    batch rows' and the odd ones'). block_mask: the FlexAttention window mask (`window_block_mask`, of the same
+    documents and offsets), built here when None."""
     T, w = q.shape[1], args.window_size
     if args.window_backend == "flash_attn":
         from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -108,10 +119,13 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         if block_mask is None:
-            block_mask = window_block_mask(T, w, q.device, doc_start, q_start, k.shape[2])
+            block_mask = window_block_mask(T, w, q.device, doc_start, q_start, k.shape[2], q.shape[0])
         out = flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=_WINDOW_KERNEL_OPTIONS)
     else:
-        t = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+        even, odd = query_offsets(q_start)
+        t = torch.arange(T, device=q.device)[:, None] + even
+        if odd != even:  # [B, 1, T, 1]: each row's own offset
+            t = t + (torch.arange(q.shape[0], device=q.device) % 2 * (odd - even))[:, None, None, None]
         u = torch.arange(k.shape[2], device=q.device)
         mask = (u <= t) & (t - u < w)
         if doc_start is not None:  # [B, 1, T, TK]: each key at or after its query's document start
@@ -121,12 +135,13 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs, scale: float,
-                         doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
+                         doc_start: Tensor | None = None, q_start: int | tuple[int, int] = 0) -> tuple[Tensor, Tensor]:
     """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
     if args.cmp_backend == "flash_attn_4":
         return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
                                         not args.float_atomics, doc_start, args.sel_block_size)
-    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start, q_start)
+    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start,
+                                    *query_offsets(q_start))
 
 
 def check_query_offset(args: NSAArgs) -> None:
@@ -142,19 +157,20 @@ def check_query_offset(args: NSAArgs) -> None:
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
                window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
-               q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+               q_start: int | tuple[int, int] = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gated sum of the three NSA branches. Returns (out [B, T, HQ, D], block indices [B, H, T, n], compressed-
     attention entropy [B, T, HQ] fp32, detached). doc_start [B, T] int32 (multiples of `sel_block_size`): each
     packed document attends as if run alone; the selected branch needs no mask, as every block chosen within a
-    document lies inside it. q_start: the queries are positions q_start .. q_start+T-1 of the keys' sequence
-    (as `nsa_reference`'s; `check_query_offset` says which kernels take it)."""
-    if q_start:
+    document lies inside it. q_start: the queries are positions q_start .. q_start+T-1 of the keys' sequence, or
+    a pair (the even batch rows', the odd ones': a context-parallel shard's two chunks in one call), as
+    `nsa_reference`'s; `check_query_offset` says which kernels take it."""
+    if any(query_offsets(q_start)):
         check_query_offset(args)
     scale = q.shape[-1] ** -0.5
     o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale, doc_start, q_start)
     # The selection is not differentiated (the spec's top-n is piecewise constant): detached inputs.
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
-                                  args.sel_block_size, args.n_selected, scale, doc_start, q_start)
+                                  args.sel_block_size, args.n_selected, scale, doc_start, *query_offsets(q_start))
     block_indices = chosen if block_indices is None else block_indices
     if args.window_backend == "fused_with_selected":
         if k_win is not k_slc or v_win is not v_slc:

@@ -35,6 +35,22 @@ def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constex
 
 
 @triton.jit
+def row_offset(Q0, Q0_ODD, b):
+    """The first query's position in batch row b: Q0 in even rows, Q0_ODD in odd ones (a context-parallel shard's
+    two chunks as the rows of one call; Q0_ODD = Q0 otherwise)."""
+    return Q0 + (b % 2) * (Q0_ODD - Q0)
+
+
+def query_offsets(q_start: int | tuple[int, int], q_start_odd: int | None = None) -> tuple[int, int]:
+    """(even rows', odd rows') first query positions: q_start for every batch row, or a pair that alternates
+    between rows (a context-parallel shard's chunks, `row_offset`), given as a tuple or as the kernels' ops take
+    it (q_start, q_start_odd; None: the same as q_start)."""
+    if not isinstance(q_start, int):
+        return int(q_start[0]), int(q_start[1])
+    return q_start, q_start if q_start_odd is None else q_start_odd
+
+
+@triton.jit
 def online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
     """Fold one key tile into a streaming softmax: scores s [rows, keys] in log2 units (-inf: not visible),
     values v [keys, BD]; running row max m, row sum l and output acc [rows, BD]."""

@@ -4,7 +4,8 @@ block-visibility helpers below.
 
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
 Query row r sits at position t = q_start + r of the sequence the compressed blocks summarise (q_start: a runtime
-argument, 0 unless context parallelism hands a shard's chunk of queries; the document masks need q_start = 0).
+argument, 0 unless context parallelism hands a shard's chunks of queries, whose two chunks are the even and odd
+batch rows of one call, at q_start and q_start_odd; the document masks need q_start = 0).
 Compressed block i (tokens [i*d, i*d + l)) is visible to query t iff i*d + l - 1 <= t, and, with packed documents
 (doc_start [B, T] int32: the first position of each token's document, a multiple of d; a multiple of l' for the
 selection), iff also i*d >= doc_start[t]. Documents only mask (a constexpr DOC_MASK flag: without them every kernel
@@ -37,7 +38,15 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows, load_rows, online_softmax_update, softmax_output
+from nsa_models.nsa.triton_common import (
+    LOG2E,
+    load_head_rows,
+    load_rows,
+    online_softmax_update,
+    query_offsets,
+    row_offset,
+    softmax_output,
+)
 
 _ROWS = 64  # rows per tile: query positions x the group's heads (padded to a power of two in dK/dV and the selection)
 _KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
@@ -138,11 +147,12 @@ def _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, hi, NC, d, d_ok, qk_scale,
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "NC", "Q0"])
-def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD"])
+def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, Q0_ODD, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -185,11 +195,13 @@ def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, hi, NC, d, d_ok, q
     return dq
 
 
-@triton.jit(do_not_specialize=["T", "NC", "Q0"])
-def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, qk_scale, scale, H: tl.constexpr, G: tl.constexpr,
-                   GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD"])
+def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, Q0_ODD, qk_scale, scale, H: tl.constexpr,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                   DOC_MASK: tl.constexpr):
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
     pos = Q0 + t  # as in the forward
@@ -232,14 +244,15 @@ def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, N
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "NC", "Q0", "CHUNK"])
-def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, Q0, CHUNK, qk_scale, scale,
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD", "CHUNK"])
+def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, Q0, Q0_ODD, CHUNK, qk_scale, scale,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                      S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                      DOC_MASK: tl.constexpr):
     tile, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     bh = tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
+    Q0 = row_offset(Q0, Q0_ODD, b)
     n = tile * BN + tl.arange(0, BN)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -290,7 +303,7 @@ def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: Tensor | None = None,
-           q_start: int = 0) -> None:
+           q_start: int = 0, q_start_odd: int | None = None) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
@@ -303,8 +316,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: 
         raise ValueError(f"compressed attention: doc_start {tuple(doc_start.shape)} {doc_start.dtype} must be "
                          f"[B, T] = {(B, T)} int32")
     # dK/dV finds a key's document end by its position among the query rows: they must be the whole sequence.
-    if doc_start is not None and q_start:
-        raise ValueError(f"compressed attention: packed documents (doc_start) need q_start = 0, got {q_start}")
+    if doc_start is not None and (q_start or q_start_odd):
+        raise ValueError(f"compressed attention: packed documents (doc_start) need q_start = 0, got {q_start} "
+                         f"(odd rows: {q_start_odd})")
 
 
 def _document_ends(doc_start: Tensor) -> Tensor:
@@ -330,11 +344,12 @@ def _contiguous(doc_start: Tensor | None) -> Tensor | None:
 
 @torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
 def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
-                             doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
+                             doc_start: Tensor | None = None, q_start: int = 0,
+                             q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
     """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block).
-    doc_start [B, T] int32 (multiples of d), or None; q_start: the first query's position. See the module's
-    docstring."""
-    _check(q, k, v, block, stride, doc_start, q_start)
+    doc_start [B, T] int32 (multiples of d), or None; q_start: the first query's position (q_start_odd: in odd
+    batch rows, if it differs). See the module's docstring."""
+    _check(q, k, v, block, stride, doc_start, q_start, q_start_odd)
     q, k, v, doc_start = q.contiguous(), k.contiguous(), v.contiguous(), _contiguous(doc_start)
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
@@ -344,13 +359,14 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC, q_start, scale * LOG2E, H=H, L=block,
+    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC,
+                      *query_offsets(q_start, q_start_odd), scale * LOG2E, H=H, L=block,
                       S=stride, BN=_KEYS, DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
     return o, lse
 
 
 @compressed_attention_fwd.register_fake
-def _(q, k, v, block, stride, scale, doc_start=None, q_start=0):
+def _(q, k, v, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -364,9 +380,10 @@ def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
 @torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
                              stride: int, scale: float, doc_start: Tensor | None = None,
-                             q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                             q_start: int = 0, q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
+    q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     doc_start = _contiguous(doc_start)
     doc_end = None if doc_start is None else _document_ends(doc_start)
     B, T, HQ, D = q.shape
@@ -375,7 +392,8 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     args = dict(H=H, L=block, S=stride, DOC_MASK=doc_start is not None, num_warps=4, num_stages=2)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, q_start, scale * LOG2E, scale, BN=_KEYS,
+        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, q_start, q_start_odd, scale * LOG2E,
+        scale, BN=_KEYS,
         **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
@@ -388,7 +406,8 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dv_part = torch.empty_like(dk_part)
     if NC:
         _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), doc_start, doc_end, do, lse,
-                                                     delta, dk_part, dv_part, T, NC, q_start, chunk, scale * LOG2E,
+                                                     delta, dk_part, dv_part, T, NC, q_start, q_start_odd, chunk,
+                                                     scale * LOG2E,
                                                      scale,
                                                      BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
                                                      **args)
@@ -396,23 +415,23 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
 
 
 @compressed_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_start=0):
+def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale, doc_start, q_start = inputs
+    q, k, v, block, stride, scale, doc_start, q_start, q_start_odd = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, doc_start)
-    ctx.block, ctx.stride, ctx.scale, ctx.q_start = block, stride, scale, q_start
+    ctx.block, ctx.stride, ctx.scale, ctx.q_start, ctx.q_start_odd = block, stride, scale, q_start, q_start_odd
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, doc_start = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
     dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale, doc_start,
-                                          ctx.q_start)
-    return dq, dk, dv, None, None, None, None, None
+                                          ctx.q_start, ctx.q_start_odd)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

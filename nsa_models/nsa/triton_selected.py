@@ -2,8 +2,9 @@
 
 Layout as the reference: q, o [B, T, HQ, D]; k, v [B, TK, H, D]; block_indices [B, H, T, n] int64 (-1 = none),
 shared by the G = HQ / H query heads of a KV group. Query row r sits at position t = q_start + r of the keys'
-sequence (q_start + T <= TK; q_start a runtime argument, 0 unless context parallelism hands a shard's chunk of
-queries) and attends the tokens u <= t of its chosen blocks. Work lists and dK/dV cover the TK / l' key blocks.
+sequence (q_start + T <= TK; q_start a runtime argument, 0 unless context parallelism hands a shard's chunks of
+queries, whose two chunks are the even and odd batch rows of one call, at q_start and q_start_odd) and attends the
+tokens u <= t of its chosen blocks. Work lists and dK/dV cover the TK / l' key blocks.
 
 Two layouts for the forward and dQ, chosen from the static shapes by `_key_major`:
 - Query tiles (G >= 16, or few blocks): one program per (tile of consecutive queries, batch, KV head) holds the
@@ -36,7 +37,15 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows, load_rows, online_softmax_update, softmax_output
+from nsa_models.nsa.triton_common import (
+    LOG2E,
+    load_head_rows,
+    load_rows,
+    online_softmax_update,
+    query_offsets,
+    row_offset,
+    softmax_output,
+)
 
 # (query, slot) pairs per key-block work item: bounds the longest program (block 0 is chosen by every query). Fewer
 # items mean fewer fp32 dK/dV partial tiles to write and add. Measured (H200, selected fwd+bwd, 256 -> 1024): 1 x 32k
@@ -109,14 +118,15 @@ def _visible(chosen, blk, i, pos, t, ROW_BITS: tl.constexpr):
     return row_chose[:, None] & (pos >= 0)[None, :] & (pos[None, :] <= t[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_SEL", "L"])  # one compile for every length and offset
-def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, TK, Q0, N_SEL, L, qk_scale,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_SEL", "L"])  # one compile for every length and offset
+def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, TK, Q0, Q0_ODD, N_SEL, L, qk_scale,
                 H: tl.constexpr,
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr,
                 NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                 ROW_BITS: tl.constexpr):
     t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
         IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD, ROW_BITS)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -132,13 +142,14 @@ def _fwd_kernel(Q, K, V, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, O, LSE, T, TK
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_SEL", "L"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, DQ, T, TK, Q0, N_SEL, L, qk_scale,
-                   scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr,
-                   BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_SEL", "L"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, DQ, T, TK, Q0, Q0_ODD, N_SEL, L,
+                   qk_scale, scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                   QT: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, ROW_BITS: tl.constexpr):
     t, rows, row_ok, chosen, count, blocks, d, d_ok, u, b, h = _query_tile(
         IDX, TILE_BLOCKS, TILE_COUNTS, TILE_BITS, T, N_SEL, L, H, G, D, BS, QT, BM, NP, BD, ROW_BITS)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
@@ -188,14 +199,16 @@ def _item_rows(QSLOT, qs, end, b, h, T, N_SEL: tl.constexpr, H: tl.constexpr, G:
     return ok, t, (b * T + t) * (H * G) + h * G + r % G, entry % N_SEL
 
 
-@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_BLK"])
-def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK, Q0, N_BLK, qk_scale,
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
+def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK, Q0, Q0_ODD, N_BLK,
+                     qk_scale,
                      N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
     """Key-block-major forward: each (query row, chosen block) pair's softmax over that block alone, normalised,
     and its log-sum-exp (log2 units), into the pair's slot; `_combine_kernel` merges a row's slots."""
     item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, TK, N_BLK,
                                                                    H, D, BS, BD)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     for qs in range(start, end, QB):
         ok, t, rows, slot = _item_rows(QSLOT, qs, end, b, h, T, N_SEL, H, G, BR, QB)
         qd_mask = ok[:, None] & d_ok[None, :]
@@ -210,15 +223,16 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         tl.store(LSE_PART + part, lse * 1.4426950408889634, mask=ok)
 
 
-@triton.jit(do_not_specialize=["T", "TK", "Q0", "N_BLK"])
+@triton.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, DK_PART, DV_PART, DQ_PART, T,
-                     TK, Q0, N_BLK, qk_scale, scale, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+                     TK, Q0, Q0_ODD, N_BLK, qk_scale, scale, N_SEL: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, QB: tl.constexpr, BD: tl.constexpr,
                      PRECISION: tl.constexpr, WITH_DQ: tl.constexpr):
     """dK/dV partial sums of one item; with WITH_DQ (key-block-major layout) also each (query row, chosen block)
     pair's dQ term, into the pair's slot of DQ_PART."""
     item, start, end, b, h, pos, used, k, v, d, d_ok = _item_block(K, V, ITEM_SEG, ITEM_START, ITEM_END, TK, N_BLK,
                                                                    H, D, BS, BD)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     dk = tl.zeros([BS, BD], tl.float32)
     dv = tl.zeros([BS, BD], tl.float32)
     for qs in range(start, end, QB):
@@ -381,7 +395,8 @@ def _layout_shape(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int) 
 
 
 def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-               tile_bits: Tensor, block_size: int, q_start: int, dq: bool) -> tuple[tuple[int, int], dict]:
+               tile_bits: Tensor, block_size: int, q_starts: tuple[int, int],
+               dq: bool) -> tuple[tuple[int, int], dict]:
     """Grid and the keyword arguments of the forward (or, with dq, the dQ) kernel: the key/value descriptors, the
     chosen blocks, the tiles' union lists, sizes and row bitmasks (`work_lists`), lengths, and meta-parameters."""
     B, T, HQ, D = q.shape
@@ -400,7 +415,8 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     tma = rows <= 16 or row_bits
     k_operand, v_operand = (triton_common.head_rows_operand(x, block_size, tma) for x in (k, v))
     tile = dict(K=k_operand, V=v_operand, IDX=block_indices,
-                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, TK=k.shape[1], Q0=q_start,
+                TILE_BLOCKS=tile_blocks, TILE_COUNTS=tile_counts, TILE_BITS=tile_bits, T=T, TK=k.shape[1],
+                Q0=q_starts[0], Q0_ODD=q_starts[1],
                 N_SEL=n,
                 L=tile_blocks.shape[3], H=H, G=G, D=D, BS=block_size, QT=QT, BM=rows, NP=triton.next_power_of_2(n),
                 BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), TMA=tma,
@@ -414,13 +430,16 @@ def _tile_args(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, tile_bloc
     return (triton.cdiv(T, QT), B * H), tile
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, q_start: int) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
+           q_starts: tuple[int, int]) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
-    if k.shape != (B, k.shape[1], H, D) or v.shape != k.shape or HQ % H or not 0 <= q_start <= k.shape[1] - T:
+    inside = all(0 <= start <= k.shape[1] - T for start in q_starts)
+    if k.shape != (B, k.shape[1], H, D) or v.shape != k.shape or HQ % H or not inside:
         raise ValueError(f"selected attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
                          "must be [B, T, HQ, D] and [B, TK, H, D] with H dividing HQ and the queries' positions "
-                         f"q_start = {q_start} .. q_start + T - 1 inside the TK keys")
+                         f"q_start = {' and '.join(map(str, dict.fromkeys(q_starts)))} .. q_start + T - 1 inside "
+                         "the TK keys")
     if block_indices.shape[:3] != (B, H, T) or block_indices.dtype != torch.int64:
         raise ValueError(f"selected attention: block_indices must be int64 [B, H, T, n] = [{B}, {H}, {T}, n], "
                          f"got {block_indices.dtype} {tuple(block_indices.shape)}")
@@ -433,9 +452,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
                            query_slot: Tensor, seg_items: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
-                           tile_bits: Tensor, block_size: int, scale: float, q_start: int = 0) -> tuple[Tensor, Tensor]:
+                           tile_bits: Tensor, block_size: int, scale: float, q_start: int = 0,
+                           q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
-    items ... tile_bits: `work_lists(q, k, block_indices, block_size)`; q_start: the first query's position."""
+    items ... tile_bits: `work_lists(q, k, block_indices, block_size)`; q_start: the first query's position
+    (q_start_odd: in odd batch rows, if it differs)."""
+    q_starts = query_offsets(q_start, q_start_odd)
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -446,13 +468,13 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
         lse_part = q.new_empty(B, T, HQ, n, dtype=torch.float32)
         # 3 pipeline stages at D = 128: 32k G = 1 13.5 -> 12.7 ms, G = 4 11.2 -> 10.2; at nsa-125m's D = 64, 2
         # (G = 3, 4 x 8k: 1.38 with 2, 1.48 with 3; 1 x 64k: 2.64, 2.90).
-        item_args = _item_args(q, k, n, items, query_slot, block_size, q_start, _ITEM_ROWS,
+        item_args = _item_args(q, k, n, items, query_slot, block_size, q_starts, _ITEM_ROWS,
                                stages=3 if D > 64 else 2)
         _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E,
                                             num_warps=4, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_start,
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_starts,
                                 dq=False)
         _fwd_kernel[grid](q, O=o, LSE=lse, qk_scale=scale * LOG2E, **tile)
     return o, lse
@@ -460,7 +482,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
 
 @selected_attention_fwd.register_fake
 def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits, block_size,
-      scale, q_start=0):
+      scale, q_start=0, q_start_odd=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -515,7 +537,8 @@ def reverse_index(block_indices: Tensor, block_size: int,
     return torch.stack([item_seg, item_start, item_end]), query_slot, seg_items
 
 
-def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int, q_start: int,
+def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, block_size: int,
+               q_starts: tuple[int, int],
                rows: int, stages: int = 2) -> dict:
     """The keyword arguments the key-block-major kernels share (grid: one program per item): the work items,
     lengths, the first query's position and meta-parameters, `rows` per step at least."""
@@ -523,7 +546,8 @@ def _item_args(q: Tensor, k: Tensor, n: int, items: Tensor, query_slot: Tensor, 
     TK, H = k.shape[1], k.shape[2]
     G = HQ // H
     rows = max(rows, triton.next_power_of_2(G))
-    return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T, TK=TK, Q0=q_start,
+    return dict(ITEM_SEG=items[0], ITEM_START=items[1], ITEM_END=items[2], QSLOT=query_slot, T=T, TK=TK,
+                Q0=q_starts[0], Q0_ODD=q_starts[1],
                 N_BLK=triton.cdiv(TK, block_size), N_SEL=n, H=H, G=G, D=D, BS=block_size, BR=rows, QB=rows // G,
                 BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), num_stages=stages)
 
@@ -550,8 +574,10 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                            block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
                            tile_blocks: Tensor, tile_counts: Tensor, tile_bits: Tensor, block_size: int,
-                           scale: float, q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                           scale: float, q_start: int = 0,
+                           q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
+    q_starts = query_offsets(q_start, q_start_odd)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
@@ -560,14 +586,14 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     dq_terms = _key_major(G, n_blocks, n) or _dq_by_key_blocks(G, n_blocks, n, D)
     dq = torch.empty_like(q)
     if not dq_terms:
-        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_start,
+        grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_starts,
                                 dq=True)
         _bwd_dq_kernel[grid](q, DO=do, LSE=lse, DELTA=delta, DQ=dq, qk_scale=scale * LOG2E, scale=scale, **tile)
     n_items = items.shape[1]
     rows = _ITEM_ROWS_DQ if dq_terms and G >= 3 and D > 64 else _ITEM_ROWS
     # With the dQ term, 3 pipeline stages (32k, 1024 queries per item: G = 1 39.1 -> 38.2 ms, G = 3 3.52 -> 3.45,
     # G = 4 29.4 -> 28.0); without it (G = 16) 2 (64k: 52.4 with 2, 53.3 with 3; 8k: 6.20, 6.41).
-    item_args = _item_args(q, k, n, items, query_slot, block_size, q_start, rows, stages=3 if dq_terms else 2)
+    item_args = _item_args(q, k, n, items, query_slot, block_size, q_starts, rows, stages=3 if dq_terms else 2)
     dk_part = torch.empty(n_items, block_size, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     # With dq_terms the dK/dV kernel also writes each (query row, chosen block) pair's dQ term, summed below in
@@ -592,38 +618,39 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
 
 @selected_attention_bwd.register_fake
 def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits,
-      block_size, scale, q_start=0):
+      block_size, scale, q_start=0, q_start_odd=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, block_size, scale, q_start = inputs
+    *tensors, block_size, scale, q_start, q_start_odd = inputs
     o, lse = output
     ctx.save_for_backward(o, lse, *tensors)
-    ctx.block_size, ctx.scale, ctx.q_start = block_size, scale, q_start
+    ctx.block_size, ctx.scale, ctx.q_start, ctx.q_start_odd = block_size, scale, q_start, q_start_odd
 
 
 def _backward(ctx, do, dlse):
     o, lse, q, k, v, block_indices, *lists = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
     dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, *lists, ctx.block_size, ctx.scale,
-                                        ctx.q_start)
-    return dq, dk, dv, *[None] * (len(lists) + 4)  # block_indices, the work lists, block_size, scale, q_start
+                                        ctx.q_start, ctx.q_start_odd)
+    return dq, dk, dv, *[None] * (len(lists) + 5)  # block_indices, the work lists, block_size, scale, the offsets
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
-                       scale: float | None = None, q_start: int = 0) -> Tensor:
+                       scale: float | None = None, q_start: int | tuple[int, int] = 0) -> Tensor:
     """NSA selected-branch output [B, T, HQ, D] of queries at positions q_start .. q_start + T - 1 of the keys
-    k, v [B, TK, H, D]; scale defaults to 1 / sqrt(D)."""
-    _check(q, k, v, block_indices, block_size, q_start)
+    k, v [B, TK, H, D] (a pair: the even batch rows' and the odd ones'); scale defaults to 1 / sqrt(D)."""
+    q_starts = query_offsets(q_start)
+    _check(q, k, v, block_indices, block_size, q_starts)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     block_indices = block_indices.contiguous()
     return selected_attention_fwd(q, k, v, block_indices, *work_lists(q, k, block_indices, block_size, backward),
-                                  block_size, scale, q_start)[0]
+                                  block_size, scale, *q_starts)[0]
 
 
 def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,

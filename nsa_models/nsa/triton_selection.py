@@ -3,8 +3,8 @@
 It reruns the compressed attention's scores (`triton_compressed`: layouts, block visibility and query tiles as
 there, the heads padded to a power of two) from the log-sum-exp `compressed_attention_fwd` returns. With packed
 documents (doc_start [B, T] int32, multiples of l'), a query's candidates are the blocks of its document. Query row
-r sits at position q_start + r (a runtime argument, as in `triton_compressed`): its candidates and forced blocks
-are those of that position.
+r sits at position q_start + r (a runtime argument; q_start_odd in odd batch rows, as in `triton_compressed`): its
+candidates and forced blocks are those of that position.
 
 One pass per query tile recomputes the probabilities from the log-sum-exp, sums them over the group, maps compressed
 blocks to selection blocks by their overlap (a small matmul with the overlap-count matrix, plus a carry of the
@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows
+from nsa_models.nsa.triton_common import LOG2E, load_head_rows, query_offsets, row_offset
 from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _sees, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
@@ -36,8 +36,8 @@ _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 _PIPELINE_MAX_GP = 8
 
 
-@triton.jit(do_not_specialize=["T", "NC", "Q0", "NS", "N_SEL", "IDX_BITS"])
-def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD", "NS", "N_SEL", "IDX_BITS"])
+def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                    SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
@@ -48,6 +48,7 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, NS, N_SEL, IDX_BIT
     BN: tl.constexpr = BJ * PS
     bh = tl.program_id(1).to(tl.int64)
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    Q0 = row_offset(Q0, Q0_ODD, b)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
@@ -131,8 +132,8 @@ def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
 
 
 def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-            scale: float, store_keys: bool, doc_start: Tensor | None = None,
-            q_start: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+            scale: float, store_keys: bool, doc_start: Tensor | None = None, q_start: int = 0,
+            q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     triton_common.check_batch_heads(B, H, "selection")
@@ -141,8 +142,9 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
                          "l' + d (a compressed block overlaps at most two selection blocks)")
     q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
     tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
+    q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     # Blocks up to the last query's: later ones are never candidates (the keys may run on past it).
-    n_sel = triton.cdiv(q_start + T, sel_block)
+    n_sel = triton.cdiv(max(q_start, q_start_odd) + T, sel_block)
     idx = torch.empty(B, H, T, n_selected, device=q.device, dtype=torch.int64)
     entropy = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     keys = torch.empty(B, H, T, n_sel, device=q.device, dtype=torch.int64) if store_keys else None
@@ -155,8 +157,8 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     tma = tile_keys <= _TMA_BOX_ROWS
     pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
     keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
-    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, q_start, n_sel, n_selected,
-                         32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
+    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, q_start, q_start_odd, n_sel,
+                         n_selected, 32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
                          SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
                          PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
                          num_stages=3 if pipelined else 2)
@@ -173,7 +175,8 @@ def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, s
 
 @torch.library.custom_op("nsa::select_topn", mutates_args=())
 def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
-                scale: float, doc_start: Tensor | None = None, q_start: int = 0) -> tuple[Tensor, Tensor]:
+                scale: float, doc_start: Tensor | None = None, q_start: int = 0,
+                q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
     """Top-n selection blocks per (batch, KV head, query), shared by the GQA group, and the entropy (nats) of
     each query head's compressed-attention distribution.
 
@@ -181,14 +184,16 @@ def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_
     [B, H, T, n] (ascending, -1 padding at the end, as the reference's `select_blocks`) and fp32 [B, T, HQ].
     Nothing of size T x Ns is written: each query keeps its running top-n in registers. With doc_start [B, T]
     (multiples of l'), a query's candidates are the blocks of its document, whose first block is forced.
-    q_start: the first query's position (its candidates, forced blocks and visible compressed blocks follow it).
+    q_start: the first query's position (its candidates, forced blocks and visible compressed blocks follow it);
+    q_start_odd: in odd batch rows, if it differs.
     """
-    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start, q_start)
+    idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start, q_start,
+                              q_start_odd)
     return idx, entropy
 
 
 @select_topn.register_fake
-def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None, q_start=0):
+def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None, q_start=0, q_start_odd=None):
     B, T, HQ, _ = q.shape
     return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
                                                                                       dtype=torch.float32)
