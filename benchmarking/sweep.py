@@ -134,18 +134,30 @@ def error_line(log: Path) -> str:
 def run_cell(command: list[str], env: dict[str, str], log: Path, timeout: float | None) -> tuple[int, bool]:
     """Run one cell in its own process group, output into `log`; (exit code, timed out)."""
     with open(log, "w") as output:
-        # A session of its own: on timeout or Ctrl-C the whole group (torchrun and its ranks) is killed.
+        # A session of its own, which stop_cell ends on timeout or Ctrl-C.
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             return proc.wait(timeout=timeout), False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_cell(proc)
             return proc.wait(), True
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_cell(proc)
             raise
+
+
+def stop_cell(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """End a cell started in a session of its own, its ranks included. torchrun starts each rank in a session of
+    its own too, out of reach of a signal to the launcher's group: SIGKILLed, torchrun left them running (a hung
+    2-GPU cell kept 35 GiB of each GPU after its timeout). SIGTERM lets torchrun stop its ranks (SIGTERM, then
+    SIGKILL after its 30 s); the group is SIGKILLed if it is still there after grace_s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def measure_cell(command: list[str], env: dict[str, str], run_dir: Path, warmup: int,

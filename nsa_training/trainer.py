@@ -597,6 +597,11 @@ class Trainer:
             if self.config.checkpoint.export_weights:
                 self.checkpointer.export_weights(self.model, self.run_dir / "model.pt")
             self._print(self._summary(time.perf_counter() - self.train_start))
+        if self.cuda_graphs:
+            # Free the blocks' CUDA graphs first: NCCL communicators whose collectives a live graph captured
+            # (context parallelism's all-gathers inside the compiled blocks) hang in ncclCommDestroy
+            # (pytorch/pytorch#115388): a 2-GPU DDP + CP run at 131k trained, then never exited.
+            torch._dynamo.reset()
         dist.destroy_process_group()
         # Stopped: not 0, the run is unfinished; schedulers and torchrun read 128 + signal as "killed by it".
         return 128 + self.stop_signum if self.stop_signum else 0

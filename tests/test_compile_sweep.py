@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -154,3 +155,30 @@ def test_cell_command_and_recompile_count(tmp_path):
                                 "--metrics.log_freq=1", "--metrics.tensorboard=true", "--training.eval_interval=0",
                                 "--checkpoint.enable=false", "--checkpoint.export_weights=false",
                                 f"--job.run_dir={out / row['cell']}"]
+
+
+def test_stop_cell_ends_torchruns_ranks(tmp_path):
+    """A timed-out cell leaves no rank behind: torchrun starts its ranks in sessions of their own, which a signal
+    to the launcher's process group does not reach."""
+    from benchmarking.sweep import stop_cell
+
+    pid_file = tmp_path / "rank.pid"
+    rank = tmp_path / "rank.py"
+    rank.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                             str(rank)], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "torchrun did not start its rank"
+        time.sleep(0.1)
+    rank_pid = int(pid_file.read_text())
+    stop_cell(proc)
+    assert proc.returncode is not None
+
+    def running(pid: int) -> bool:  # a zombie (exited, not yet reaped) does not count
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    assert not running(rank_pid)  # torchrun waited for it before exiting
