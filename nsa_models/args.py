@@ -70,6 +70,13 @@ class NSAArgs:
     7.97 ms fwd+bwd; no gain measured for nsa-125m end to end; docs/PERFORMANCE.md), but no longer
     bitwise repeatable, so the same seed and recipe may give other losses. Off: every NSA backward kernel is
     deterministic. The Triton kernels have no atomic variant (measured slower, docs/KERNELS.md)."""
+    selected_from_window: Annotated[bool, RESUMABLE] = True
+    """The triton backend's exact shortcut for shared K/V (`separate_kv = false`, any window_backend but
+    `fused_with_selected`): a query whose causal prefix in its document holds at most n selection blocks selects
+    them all, so its selected branch attends keys doc_start .. t, and while t - doc_start < w so does its window.
+    Those rows take the window's output as their selected output, and the selected kernels skip them (at T = 2048
+    without documents the first w queries; on real text most of a short document's). False: every row runs the
+    selected kernels (the A/B)."""
     query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
     window_only: bool = False
@@ -98,7 +105,7 @@ class NSAArgs:
 
 
 # The keys that choose the triton backend's kernels: how it computes, not what (the reference has none of them).
-KERNEL_KEYS = ("window_backend", "cmp_backend", "float_atomics")
+KERNEL_KEYS = ("window_backend", "cmp_backend", "float_atomics", "selected_from_window")
 # window_backend / cmp_backend -> (the module it imports, the pip package that provides it), for the optional ones
 LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
 # the choices of each library-backed key that need no extra package (what its errors offer instead)

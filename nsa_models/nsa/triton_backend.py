@@ -154,6 +154,18 @@ def check_query_offset(args: NSAArgs) -> None:
                              f"as context parallelism's): set it to {' or '.join(map(repr, offsets))}")
 
 
+def selected_is_window(batch: int, seq_len: int, args: NSAArgs, device: torch.device,
+                       doc_start: Tensor | None = None, q_start: int | tuple[int, int] = 0) -> Tensor:
+    """[batch, seq_len] bool: the queries whose selected branch attends exactly their window's keys (shared K/V),
+    doc_start .. t: at most n candidate blocks from the document's first to the query's own (all chosen, as
+    `select_topn` and the reference choose every candidate when there are at most n) and t - doc_start < w."""
+    even, odd = query_offsets(q_start)
+    t = torch.arange(seq_len, device=device) + torch.tensor((even, odd), device=device).repeat(batch)[:batch, None]
+    first = torch.zeros_like(t) if doc_start is None else doc_start
+    l = args.sel_block_size
+    return (t - first < args.window_size) & (t // l - first // l < args.n_selected)
+
+
 def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                v_cmp: Tensor, gates: Tensor, args: NSAArgs, block_indices: Tensor | None = None,
                window_mask: BlockMask | None = None, doc_start: Tensor | None = None,
@@ -179,8 +191,15 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
         o_slc, o_win = selected_window_attention(q, k_slc, v_slc, block_indices, args.sel_block_size,
                                                  args.window_size, scale, doc_start)
     else:
-        o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start)
         o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
+        # Chosen here (not given), so rows with at most n candidates hold them all.
+        if args.selected_from_window and block_indices is chosen and k_win is k_slc and v_win is v_slc:
+            window_rows = selected_is_window(q.shape[0], q.shape[1], args, q.device, doc_start, q_start)
+            o_slc = selected_attention(q, k_slc, v_slc, chosen.masked_fill(window_rows[:, None, :, None], -1),
+                                       args.sel_block_size, scale, q_start)  # those rows: no work in the kernels
+            o_slc = torch.where(window_rows[:, :, None, None], o_win, o_slc)
+        else:
+            o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy
