@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
-from nsa_models.nsa.flex import flex
+from nsa_models.nsa.flex import document_block_mask, flex
 from nsa_models.telemetry import nsa_stats
 
 
@@ -55,9 +55,6 @@ def apply_rope(x: Tensor, cache: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
-FLEX_BLOCK = 128  # FlexAttention's default tile: queries and keys per block of a BlockMask
-
-
 def document_alignment(args: ModelArgs) -> int:
     """Packed documents must start at multiples of this (`doc_start`): NSA's selection block, so that every
     compressed and selection block of a document is a block of the row (l' is a multiple of d) and no selected block
@@ -73,34 +70,6 @@ def document_mask(doc_start: Tensor) -> BlockMask | Tensor:
         return document_block_mask(doc_start)
     t = torch.arange(doc_start.shape[1], device=doc_start.device)
     return ((t[None, :] <= t[:, None]) & (t[None, None, :] >= doc_start[..., None]))[:, None]
-
-
-def document_block_mask(doc_start: Tensor) -> BlockMask:
-    """FlexAttention BlockMask of keys doc_start[b, t] .. t, built from each query block's lowest and highest
-    doc_start: O(B (T/128)^2) memory, never the T x T mask."""
-    B, T = doc_start.shape
-    n = -(-T // FLEX_BLOCK)
-    rows = torch.cat([doc_start, doc_start[:, -1:].expand(B, n * FLEX_BLOCK - T)], 1).view(B, n, FLEX_BLOCK)
-    lowest, highest = rows.amin(-1)[..., None], rows.amax(-1)[..., None]  # [B, Nq, 1] over each query block
-    blocks = torch.arange(n, device=doc_start.device)
-    q_block, kv_block = blocks[:, None], blocks[None, :]
-    kv_first = kv_block * FLEX_BLOCK
-    # Some (query, key) pair visible: the diagonal, or an earlier key block that reaches the block's first document.
-    some = (kv_block == q_block) | ((kv_block < q_block) & (kv_first + FLEX_BLOCK - 1 >= lowest))
-    every = (kv_block < q_block) & (kv_first >= highest)  # every key after every query's document start
-
-    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (kv_idx <= q_idx) & (kv_idx >= doc_start[b, q_idx])
-
-    return BlockMask.from_kv_blocks(*_ordered(some & ~every), *_ordered(every), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=document_causal, seq_lengths=(T, T))
-
-
-def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, Nq, Nkv] bool -> a BlockMask's (count [B, 1, Nq], indices [B, 1, Nq, Nkv]) of the True blocks, in order."""
-    blocks = blocks.to(torch.int32)
-    order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
-    return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
 
 class Compression(nn.Module):

@@ -22,8 +22,9 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 import train  # noqa: E402
 from nsa_models import Transformer, get_flavor  # noqa: E402
 from nsa_models.args import NSAArgs  # noqa: E402
-from nsa_models.model import document_alignment, document_block_mask, document_mask  # noqa: E402
+from nsa_models.model import document_alignment, document_mask  # noqa: E402
 from nsa_models.nsa import nsa_attention, window_mask  # noqa: E402
+from nsa_models.nsa.flex import document_block_mask  # noqa: E402
 from nsa_models.telemetry import NSA_STATS, nsa_stats  # noqa: E402
 from nsa_training.config import ConfigError, DataConfig, load_config  # noqa: E402
 from nsa_training.data import build_data_loader  # noqa: E402
@@ -190,23 +191,31 @@ def blocks(num: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.zeros(indices.shape, dtype=torch.bool).scatter_(-1, indices.long(), listed)
 
 
-def test_dense_flex_block_mask_admits_exactly_each_document_causally():
-    """The FlexAttention BlockMask the dense baseline uses on CUDA, built from per-block bounds: the same partial and
-    full blocks as FlexAttention's own builder finds from the whole [T, T] mask, and compiled FlexAttention under it
-    (forward: no CPU backward) equals SDPA under the exact mask, also for a length that ends inside a block.
-    Documents within a block, across blocks, starting inside a key block that a later query block reaches, and blocks
-    wholly inside one document."""
+@pytest.mark.parametrize("window", [None, 1, 100, 128, 300])
+def test_flex_block_mask_admits_exactly_each_document_causally(window: int | None):
+    """The FlexAttention BlockMask of packed documents built from per-block bounds (the dense baseline's on CUDA,
+    and with a window NSA's sliding window): the same partial and full blocks as FlexAttention's own builder finds
+    from the whole [T, T] mask, and compiled FlexAttention under it (forward: no CPU backward) equals SDPA under
+    the exact mask, also for a length that ends inside a block. Documents within a block, across blocks, starting
+    inside a key block that a later query block reaches, and blocks wholly inside one document; windows shorter
+    than a block, of one block and of several."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows = [[3, 1, 200, 7, 130, 43], [100, 200, 84], [128, 128, 1, 127], [384]]
     doc_start, _ = pack(rows, 1, seq_len=384)
-    got = document_block_mask(doc_start)
+    got = document_block_mask(doc_start, window)
 
-    def document_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx >= doc_start[b, q_idx])
+    def exact(starts: torch.Tensor) -> torch.Tensor:  # [B, 1, T, T]
+        t = torch.arange(starts.shape[1])
+        mask = (t[None, :] <= t[:, None]) & (t[None, None, :] >= starts[..., None])
+        return (mask & (t[:, None] - t[None, :] < (window or starts.shape[1])))[:, None]
+
+    def document_window(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) & (kv_idx >= doc_start[b, q_idx])
+                & (q_idx - kv_idx < (window or doc_start.shape[1])))
 
     # (FlexAttention's builder counts a last query block that ends before 128 as partial: 384 tokens have none.)
-    want = create_block_mask(document_causal, len(rows), None, 384, 384, device="cpu")
+    want = create_block_mask(document_window, len(rows), None, 384, 384, device="cpu")
     assert torch.equal(blocks(got.kv_num_blocks, got.kv_indices), blocks(want.kv_num_blocks, want.kv_indices))
     assert torch.equal(blocks(got.full_kv_num_blocks, got.full_kv_indices),
                        blocks(want.full_kv_num_blocks, want.full_kv_indices))
@@ -215,8 +224,9 @@ def test_dense_flex_block_mask_admits_exactly_each_document_causally():
     for length in (384, 370):
         starts = doc_start[:, :length]
         q, k, v = (torch.randn(len(rows), heads, length, 8) for heads in (4, 2, 2))
-        exact = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(starts), enable_gqa=True)
-        assert rel_err(flex(q, k, v, block_mask=document_block_mask(starts), enable_gqa=True), exact) <= 1e-5
+        want_out = F.scaled_dot_product_attention(q, k, v, attn_mask=exact(starts), enable_gqa=True)
+        got_out = flex(q, k, v, block_mask=document_block_mask(starts, window), enable_gqa=True)
+        assert rel_err(got_out, want_out) <= 1e-5
 
 
 # --- compile ------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention, fa4_window_attention
-from nsa_models.nsa.flex import flex
+from nsa_models.nsa.flex import document_block_mask, flex
 from nsa_models.nsa.triton_common import query_offsets
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
@@ -86,13 +86,15 @@ _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
 def window_block_mask(seq_len: int, window: int, device: torch.device, doc_start: Tensor | None = None,
                       q_start: int | tuple[int, int] = 0, kv_len: int | None = None,
                       batch: int | None = None) -> BlockMask:
-    """The window's FlexAttention BlockMask, stopping at document starts when doc_start [B, T] is given: cached in
-    eager code without documents (their mask changes every batch), traced (no caches) inside torch.compile.
-    q_start, kv_len: the seq_len queries are positions q_start .. of kv_len keys (None: the queries'); a pair of
-    offsets alternates between batch rows (even, odd), and then `batch` is the rows' number."""
-    if doc_start is not None or torch.compiler.is_compiling():
-        return _window_block_mask(seq_len, window, str(device), not torch.compiler.is_compiling(), doc_start,
-                                  q_start, kv_len, batch)
+    """The window's FlexAttention BlockMask, stopping at document starts when doc_start [B, T] is given: traced
+    (no caches) inside torch.compile; in eager code built from each block's bounds with documents (their mask
+    changes every batch: `flex.document_block_mask`), else cached. q_start, kv_len: the seq_len queries are
+    positions q_start .. of kv_len keys (None: the queries'); a pair of offsets alternates between batch rows (even,
+    odd), and then `batch` is the rows' number."""
+    if torch.compiler.is_compiling():
+        return _window_block_mask(seq_len, window, str(device), False, doc_start, q_start, kv_len, batch)
+    if doc_start is not None:  # documents come with no offset (refused with one)
+        return document_block_mask(doc_start, window)
     return _cached_window_block_mask(seq_len, window, str(device), True, None, q_start, kv_len, batch)
 
 
