@@ -504,6 +504,7 @@ class Trainer:
         self.train_start, self.first_step = time.perf_counter(), first_step
         self.last_train_loss: float | None = None  # the summary's: the last logged step's, and the last evaluation's
         self.last_eval: tuple[int, float] | None = None
+        self.compiled: dict[str, int] | None = None  # compile_counters() at the last reading, from step 2 on
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
                              out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
@@ -525,6 +526,8 @@ class Trainer:
                     self.metrics.log(self.step, {"eval/loss": self.last_eval[1]})
                     if self.passkey_filler is not None:
                         self._evaluate_passkey()
+                    if self.compiled is not None:
+                        self._check_recompiles(expected=True)
                 if applied:  # never checkpoint right after a non-finite step: resume from the last good one
                     self.checkpointer.save(self.step, self.states,
                                            final=self.step == cfg.steps or bool(self.stop_signum))
@@ -566,6 +569,9 @@ class Trainer:
                 del counts["cudagraph_skips"]
             self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
             self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
+            self.compiled = counts
+        elif self.compiled is not None:
+            self._check_recompiles()
         if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
             loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
             self.last_train_loss = loss
@@ -605,6 +611,19 @@ class Trainer:
         dist.destroy_process_group()
         # Stopped: not 0, the run is unfinished; schedulers and torchrun read 128 + signal as "killed by it".
         return 128 + self.stop_signum if self.stop_signum else 0
+
+    def _check_recompiles(self, expected: bool = False) -> None:
+        """After warm-up every compiled graph is a recompile (a failed guard: a new shape, a changed attribute), which
+        costs a compile and under CUDA graphs a new recording, every time it happens: one warning line and the
+        compile/* scalars when the counters rose since the last reading. `expected`: an evaluation's own graphs
+        (no_grad, other lengths), counted silently."""
+        counts = {k: v for k, v in compile_counters().items() if k in self.compiled}
+        if counts != self.compiled and not expected:
+            rises = ", ".join(f"{k} {self.compiled[k]} -> {v}" for k, v in counts.items() if v != self.compiled[k])
+            self._print(f"warning: step {self.step} compiled again after warm-up ({rises}): run with "
+                        "TORCH_LOGS=recompiles to see which guard failed")
+            self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
+        self.compiled = counts
 
     def _summary(self, wall_s: float) -> str:
         """The end of a finished run: its last losses, the tokens this process trained and how fast, and where

@@ -260,3 +260,29 @@ def test_cuda_graphs_capture_every_graph_and_train_as_default(tmp_path):
     for tag in ("train/loss", "eval/loss"):
         want, got = logged["default"][tag], logged["reduce-overhead"][tag]
         assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want), tag
+
+
+def test_a_recompile_after_warm_up_is_one_warning(tmp_path, monkeypatch, capsys):
+    """Compiled on the CPU: evaluations after step 2 (their no_grad graphs) warn of nothing; a batch of another
+    length at step 4 recompiles the blocks and the loss, which the trainer reports in one warning line naming the
+    step and the counters' rise, and logs as compile/graphs_compiled at that step."""
+    import train
+
+    next_batch = Trainer._next_batch
+
+    def shorter_from_step_4(self, loader):
+        inputs, labels, doc_start = next_batch(self, loader)
+        if loader is self.train_loader and self.step >= 4:
+            return inputs[:, :64], labels[:, :64], doc_start
+        return inputs, labels, doc_start
+
+    monkeypatch.setattr(Trainer, "_next_batch", shorter_from_step_4)
+    argv = merged(["recipes/debug.toml", "--job.run_dir", str(tmp_path / "run"), "--data.source", "synthetic",
+                   "--training.steps", "5", "--compile.enable", "true", "--checkpoint.enable", "false"], FAST,
+                  ["--training.eval_interval", "1"])
+    assert train.main(argv) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 4 compiled again after warm-up "
+                                                         "(graphs_compiled "), warnings
+    logged = scalars(event_files(tmp_path / "run")[-1])["compile/graphs_compiled"]
+    assert sorted(logged) == [2, 4] and logged[4] > logged[2]
