@@ -559,11 +559,12 @@ class Trainer:
 
     def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_time: float, lr: float,
                   applied: bool) -> None:
-        """Compile counters at step 2, the step's scalars every `metrics.log_freq` steps (and every skipped step),
-        NSA telemetry every `metrics.nsa_stats_freq` steps."""
+        """Compile counters at this start's second step (then any later rise: `_check_recompiles`), the step's
+        scalars every `metrics.log_freq` steps (and every skipped step), NSA telemetry every `metrics.nsa_stats_freq`
+        steps."""
         self.window_steps += 1
         self.window_data_time += data_time
-        if self.step == 2 and self.config.compile.enable:
+        if self.step == self.first_step + 1 and self.config.compile.enable:  # compiled in this start's first step
             counts = compile_counters()
             if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
                 del counts["cudagraph_skips"]
