@@ -504,7 +504,7 @@ class Trainer:
         self.train_start, self.first_step = time.perf_counter(), first_step
         self.last_train_loss: float | None = None  # the summary's: the last logged step's, and the last evaluation's
         self.last_eval: tuple[int, float] | None = None
-        self.compiled: dict[str, int] | None = None  # compile_counters() at the last reading, from step 2 on
+        self.compiled: dict[str, int] | None = None  # compile_counters() at the last reading (from the 2nd step)
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
                              out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
