@@ -99,7 +99,7 @@ class ShardNSACore(NSACore):
         first, second = self.chunks
         return first * C, second * C
 
-    def build_window_masks(self, seq_len: int, batch: int, device: torch.device) -> None:
+    def build_window_mask(self, seq_len: int, batch: int, device: torch.device) -> None:
         """The chunks' FlexAttention window mask for `batch` sequences of seq_len tokens (None where the backend
         needs none). The model's pre-hook calls it, outside compiled and checkpointed code: built inside a
         checkpointed compiled block a mask fails in Dynamo, and the model builds none for a part of a sequence.
@@ -111,7 +111,7 @@ class ShardNSACore(NSACore):
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
                 doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """NSACore's outputs for the shard's queries, the telemetry at their global positions. The model passes no
-        window_mask for a part of a sequence: the chunks take theirs (`build_window_masks`). doc_start is None:
+        window_mask for a part of a sequence: the chunks take theirs (`build_window_mask`). doc_start is None:
         `parallelisms.config.check_context_parallel` refuses data.document_mask."""
         B, C, seq_len = q.shape[0], q.shape[1] // 2, k_slc.shape[1]
         kv = _sequence_rows([k_slc, v_slc, k_win, v_win, k_cmp, v_cmp], 2)
@@ -133,7 +133,7 @@ def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: di
     kwargs["positions"] = shard_sequence(positions[None], mesh)[0]
     for core in module.modules():
         if isinstance(core, ShardNSACore):
-            core.build_window_masks(seq_len, tokens.shape[0], tokens.device)
+            core.build_window_mask(seq_len, tokens.shape[0], tokens.device)
     return args, kwargs
 
 

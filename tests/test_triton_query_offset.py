@@ -65,13 +65,9 @@ T_CPU, CHUNKS = 93, ((0, 32), (32, 57), (57, 93))
 ARGS = NSAArgs(cmp_block_size=16, cmp_stride=8, sel_block_size=16, n_selected=4, window_size=24, query_chunk=16)
 
 
-@interpreter
-@pytest.mark.parametrize("G,D,layout", [(1, 16, "key-block-major"), (3, 16, "query-tiles")])
-def test_query_offset_matches_reference_and_whole_sequence(G: int, D: int, layout: str, monkeypatch):
-    """Each chunk against the fp64 reference at the same offset (output, chosen blocks, every gradient), and the
-    chunks together against the whole sequence's run: the same rows, the same blocks, and gradients that sum to
-    the whole run's. Small tiles: the selection and dK/dV loops cross several tiles and query chunks. The selected
-    branch runs key-block-major (G = 1) or by query tiles with their own dQ kernel (G = 3)."""
+def small_tiles(monkeypatch, layout: str) -> None:
+    """Tiles of 16 keys and queries, so that the selection and dK/dV loops cross several tiles and query chunks at
+    T_CPU; the selected branch key-block-major or by query tiles with their own dQ kernel (`layout`)."""
     monkeypatch.setattr(triton_selection, "_KEYS", 16)
     monkeypatch.setattr(triton_compressed, "_KEYS", 16)
     monkeypatch.setattr(triton_compressed, "_KEYS_BWD", 16)
@@ -79,6 +75,16 @@ def test_query_offset_matches_reference_and_whole_sequence(G: int, D: int, layou
     monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MAX", 16)
     monkeypatch.setattr(triton_selected, "_key_major", lambda G, n_blocks, n: layout == "key-block-major")
     monkeypatch.setattr(triton_selected, "_dq_by_key_blocks", lambda G, n_blocks, n, D: False)
+
+
+@interpreter
+@pytest.mark.parametrize("G,D,layout", [(1, 16, "key-block-major"), (3, 16, "query-tiles")])
+def test_query_offset_matches_reference_and_whole_sequence(G: int, D: int, layout: str, monkeypatch):
+    """Each chunk against the fp64 reference at the same offset (output, chosen blocks, every gradient), and the
+    chunks together against the whole sequence's run: the same rows, the same blocks, and gradients that sum to
+    the whole run's. Small tiles: the selection and dK/dV loops cross several tiles and query chunks. The selected
+    branch runs key-block-major (G = 1) or by query tiles with their own dQ kernel (G = 3)."""
+    small_tiles(monkeypatch, layout)
     inputs = make_inputs(1, T_CPU, 2, G, D, ARGS, torch.float32)
     inputs64 = [x.detach().double().requires_grad_() for x in inputs]
     cot = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -108,13 +114,7 @@ def test_two_chunks_as_the_rows_of_one_call(G: int, D: int, layout: str, monkeyp
     boundary) as the even and odd rows of a batch of 4, with q_start = (8, 65) and each sequence's keys repeated
     for its two rows, give each chunk's own call's outputs, blocks and gradients (the keys' summed over their
     rows), and the fp64 reference's with the same pair of offsets."""
-    monkeypatch.setattr(triton_selection, "_KEYS", 16)
-    monkeypatch.setattr(triton_compressed, "_KEYS", 16)
-    monkeypatch.setattr(triton_compressed, "_KEYS_BWD", 16)
-    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MIN", 16)
-    monkeypatch.setattr(triton_compressed, "_BWD_CHUNK_MAX", 16)
-    monkeypatch.setattr(triton_selected, "_key_major", lambda G, n_blocks, n: layout == "key-block-major")
-    monkeypatch.setattr(triton_selected, "_dq_by_key_blocks", lambda G, n_blocks, n, D: False)
+    small_tiles(monkeypatch, layout)
     C, starts = 24, (8, 65)
     inputs = make_inputs(2, T_CPU, 2, G, D, ARGS, torch.float32)
     cot = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))

@@ -162,7 +162,7 @@ def selected_is_window(batch: int, seq_len: int, args: NSAArgs, device: torch.de
     doc_start .. t: at most n candidate blocks from the document's first to the query's own (all chosen, as
     `select_topn` and the reference choose every candidate when there are at most n) and t - doc_start < w."""
     even, odd = query_offsets(q_start)
-    t = torch.arange(seq_len, device=device) + torch.tensor((even, odd), device=device).repeat(batch)[:batch, None]
+    t = torch.arange(seq_len, device=device) + (even + torch.arange(batch, device=device)[:, None] % 2 * (odd - even))
     first = torch.zeros_like(t) if doc_start is None else doc_start
     l = args.sel_block_size
     return (t - first < args.window_size) & (t // l - first // l < args.n_selected)
