@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
-from nsa_models.nsa.flex import document_block_mask, flex
+from nsa_models.nsa.flex import BlockMaskStorage, document_block_mask, flex
 from nsa_models.telemetry import nsa_stats
 
 
@@ -278,6 +278,9 @@ class Transformer(nn.Module):
         # Not persistent: derived from args, rebuilt by init_weights() on the real device.
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta), persistent=False)
         self.nsa_stats: Tensor | None = None  # [n_layers, row] of the latest forward (`nsa_stats`); [n_layers, 0] dense
+        # Set by the compile plan where CUDA graphs replay the blocks: packed documents' masks then keep their
+        # addresses from batch to batch (`BlockMaskStorage`). None: each batch's mask is its own.
+        self.mask_storage: BlockMaskStorage | None = None
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter and buffer (call after moving off the meta device / sharding)."""
@@ -315,6 +318,8 @@ class Transformer(nn.Module):
             mask = window_mask(T, self.args.nsa, tokens.device, doc_start=doc_start) if positions is None else None
         else:
             mask = None if doc_start is None else document_mask(doc_start)
+        if doc_start is not None and isinstance(mask, BlockMask) and self.mask_storage is not None:
+            mask = self.mask_storage.keep(mask)
         layer_stats = []
         for block in self.layers.values():
             h, stats = block(h, rope, mask, doc_start)

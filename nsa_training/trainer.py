@@ -505,6 +505,7 @@ class Trainer:
         self.last_train_loss: float | None = None  # the summary's: the last logged step's, and the last evaluation's
         self.last_eval: tuple[int, float] | None = None
         self.compiled: dict[str, int] | None = None  # compile_counters() at the last reading (from the 2nd step)
+        self.recorded_again = False  # warned of a CUDA graph recorded again after warm-up
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
                              out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
@@ -567,7 +568,7 @@ class Trainer:
         if self.step == self.first_step + 1 and self.config.compile.enable:  # compiled in this start's first step
             counts = compile_counters()
             if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
-                del counts["cudagraph_skips"]
+                del counts["cudagraph_skips"], counts["cudagraph_recorded_inputs"]
             self._print("compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
             self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
             self.compiled = counts
@@ -615,14 +616,22 @@ class Trainer:
 
     def _check_recompiles(self, expected: bool = False) -> None:
         """After warm-up every compiled graph is a recompile (a failed guard: a new shape, a changed attribute), which
-        costs a compile and under CUDA graphs a new recording, every time it happens: one warning line and the
-        compile/* scalars when the counters rose since the last reading. `expected`: an evaluation's own graphs
-        (no_grad, other lengths), counted silently."""
+        costs a compile and under CUDA graphs a new recording, every time it happens; a CUDA graph recorded again
+        without a recompile means that an input it takes as static moved, and costs a recording at every step where
+        it does. One warning line (the first recording only) and the compile/* scalars when the counters rose since
+        the last reading. `expected`: an evaluation's own graphs (no_grad, other lengths), counted silently."""
         counts = {k: v for k, v in compile_counters().items() if k in self.compiled}
-        if counts != self.compiled and not expected:
-            rises = ", ".join(f"{k} {self.compiled[k]} -> {v}" for k, v in counts.items() if v != self.compiled[k])
-            self._print(f"warning: step {self.step} compiled again after warm-up ({rises}): run with "
-                        "TORCH_LOGS=recompiles to see which guard failed")
+        rose = [k for k, v in counts.items() if v != self.compiled[k]]
+        if rose and not expected:
+            rises = ", ".join(f"{k} {self.compiled[k]} -> {counts[k]}" for k in rose)
+            if rose != ["cudagraph_recorded_inputs"]:
+                self._print(f"warning: step {self.step} compiled again after warm-up ({rises}): run with "
+                            "TORCH_LOGS=recompiles to see which guard failed")
+            elif not self.recorded_again:
+                self.recorded_again = True
+                self._print(f"warning: step {self.step} recorded CUDA graphs again after warm-up ({rises}): an input "
+                            "they take as static moved; run with TORCH_LOGS=cudagraphs to see which (further "
+                            "recordings: compile/cudagraph_recorded_inputs)")
             self.metrics.log(self.step, {f"compile/{k}": float(v) for k, v in counts.items()})
         self.compiled = counts
 

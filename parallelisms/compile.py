@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from nsa_models.nsa.flex import BlockMaskStorage
 from parallelisms.config import CompileConfig
 
 # Inductor modes that replay the compiled graphs as CUDA graphs.
@@ -40,12 +41,16 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
     """Compile in place: each block of `model.layers` (scope `block`) or the model's forward (scope `model`).
 
     Per block, every block reuses one graph (fast compile) and FSDP/DDP hooks, applied later around each block,
-    stay outside the compiled code. The whole-model scope compiles `forward` only, so hooks on the root module
-    (DDP) also stay eager; per-block FSDP hooks would split it, which check_plan rejects.
+    stay outside the compiled code; with CUDA graphs the model's document masks, built between the graphs, keep
+    their addresses (`Transformer.mask_storage`), or the graphs would record again at every batch. The
+    whole-model scope compiles `forward` only, so hooks on the root module (DDP) also stay eager; per-block FSDP
+    hooks would split it, which check_plan rejects.
     """
     if cfg.scope == "block":
         for name, block in model.layers.named_children():
             model.layers.register_module(name, _compile(block, cfg))
+        if cfg.backend == "inductor" and cfg.mode in CUDA_GRAPH_MODES:  # masks built between the graphs
+            model.mask_storage = BlockMaskStorage()
     else:
         model.forward = _compile(model.forward, cfg)
 
@@ -56,8 +61,10 @@ def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:
 
 
 def compile_counters() -> dict[str, int]:
-    """Dynamo's process-wide totals so far: graph breaks, graphs compiled, and graphs that a CUDA-graph mode ran
-    without CUDA graphs (Inductor skips them, with a log line, for graphs it cannot capture).
+    """Dynamo's process-wide totals so far: graph breaks, graphs compiled, graphs that a CUDA-graph mode ran
+    without CUDA graphs (Inductor skips them, with a log line, for graphs it cannot capture), and the inputs of the
+    CUDA graphs recorded (it rises with every recording: after warm-up, a graph recorded again because an input it
+    takes as static moved, which torch does not log by default).
 
     torch keeps no recompile counter: once every block and the loss have compiled (step 1), any further rise of
     `graphs_compiled` is a recompile, so the trainer compares two readings.
@@ -66,4 +73,5 @@ def compile_counters() -> dict[str, int]:
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs_compiled": counters["stats"]["unique_graphs"],
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraph_recorded_inputs": counters["inductor"]["cudagraph_recorded_non_static_inputs"],
     }

@@ -24,7 +24,7 @@ from nsa_models import Transformer, get_flavor  # noqa: E402
 from nsa_models.args import NSAArgs  # noqa: E402
 from nsa_models.model import document_alignment, document_mask  # noqa: E402
 from nsa_models.nsa import nsa_attention, window_mask  # noqa: E402
-from nsa_models.nsa.flex import document_block_mask  # noqa: E402
+from nsa_models.nsa.flex import BlockMaskStorage, document_block_mask  # noqa: E402
 from nsa_models.telemetry import NSA_STATS, nsa_stats  # noqa: E402
 from nsa_training.config import ConfigError, DataConfig, load_config  # noqa: E402
 from nsa_training.data import build_data_loader  # noqa: E402
@@ -282,6 +282,56 @@ def test_compiled_block_has_no_graph_break_and_no_recompile_as_boundaries_move(n
     assert sum(counters["graph_break"].values()) == 0
     # The eager triton block compiles its FlexAttention window once, on the first layout: only later rises count.
     assert graphs == [graphs[0]] * len(layouts) and (graphs[0] == 1 or device == "cuda")
+
+
+def test_block_mask_storage_keeps_its_addresses_and_takes_each_masks_blocks():
+    """BlockMaskStorage: a second batch's mask of the same shapes comes back in the first one's tensors (CUDA graphs
+    see the same addresses) holding the second's blocks; a mask of other shapes gets tensors of its own and leaves
+    the first shape's in place."""
+    storage = BlockMaskStorage()
+    first = storage.keep(document_block_mask(pack(ROWS, 1)[0], 8))
+    addresses = [t.data_ptr() for t in first.as_tuple() if isinstance(t, torch.Tensor)]
+    for rows in LAYOUTS[1:]:
+        doc_start = pack(rows, 1)[0]
+        kept = storage.keep(document_block_mask(doc_start, 8))
+        assert [t.data_ptr() for t in kept.as_tuple() if isinstance(t, torch.Tensor)] == addresses
+        want = document_block_mask(doc_start, 8)
+        for name in ("kv", "full_kv", "q", "full_q"):
+            assert torch.equal(blocks(getattr(kept, f"{name}_num_blocks"), getattr(kept, f"{name}_indices")),
+                               blocks(getattr(want, f"{name}_num_blocks"), getattr(want, f"{name}_indices"))), name
+    other = storage.keep(document_block_mask(pack(ROWS, 1, seq_len=300)[0], 8))
+    assert other.kv_indices.data_ptr() not in addresses
+    again = storage.keep(document_block_mask(pack(ROWS, 1)[0], 8))
+    assert [t.data_ptr() for t in again.as_tuple() if isinstance(t, torch.Tensor)] == addresses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flavor", ["debug", "dense-debug"])
+def test_cuda_graphs_replay_as_documents_change(tmp_path, jsonl, monkeypatch, capsys, flavor):
+    """Trained with CUDA graphs (compile.mode = reduce-overhead, two micro-batches a step) on packed documents that
+    change with every batch: no graph is recorded again after warm-up (the trainer would warn), and the losses are
+    those of compile.mode = default. Without the kept mask storage (each batch's mask as built, kept alive so that
+    its tensors cannot come back at the same addresses), the trainer warns that step 3 recorded CUDA graphs again:
+    checked, so that this test can fail."""
+    def run(mode: str, name: str) -> tuple[dict[int, float], list[str]]:
+        argv = [str(REPO / "recipes/debug.toml"), "--job.run_dir", str(tmp_path / name), "--model.flavor", flavor,
+                "--training.device", "cuda", "--data.source", str(jsonl), "--data.seq_len", "64",
+                "--data.document_mask", "true", "--training.micro_batch_size", "2",
+                "--training.global_batch_tokens", "256", "--training.steps", "6", "--lr_scheduler.warmup_steps", "0",
+                "--training.eval_interval", "0", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+                "--compile.enable", "true", "--compile.mode", mode, "--model.nsa.backend", "triton"]
+        assert train.main(argv) == 0
+        warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+        return scalars(event_files(tmp_path / name)[0])["train/loss"], warnings
+
+    graphs, warnings = run("reduce-overhead", "graphs")
+    assert warnings == []
+    plain, _ = run("default", "plain")
+    assert sorted(graphs) == sorted(plain) and all(graphs[s] == pytest.approx(plain[s], rel=1e-4) for s in plain)
+    masks = []
+    monkeypatch.setattr(BlockMaskStorage, "keep", lambda self, mask: masks.append(mask) or mask)
+    _, warnings = run("reduce-overhead", "moved")
+    assert [w.split(" (")[0] for w in warnings] == ["warning: step 3 recorded CUDA graphs again after warm-up"]
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
