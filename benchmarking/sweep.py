@@ -14,7 +14,9 @@ to_step1_s = wall time from launch to the end of step 1 (imports, data, model bu
 and mfu = medians over the steps after --warmup; peak_mem_gib = memory/max_allocated_gib (memory/peak_rss_gib on CPU);
 graph_breaks and graphs_compiled = the trainer's readings after step 2; recompiles = Dynamo's recompile log
 lines (TORCH_LOGS=recompiles) over the whole run; cudagraph_skips = compiled graphs that a CUDA-graph mode
-(reduce-overhead, max-autotune) ran without CUDA graphs, after step 2 (0: every graph was captured).
+(reduce-overhead, max-autotune) ran without CUDA graphs, after step 2 (0: every graph was captured);
+cudagraph_rerecords = steps after step 2 whose CUDA graphs were recorded again (a moved static input, or a
+recompile): each one a step that paid for recording instead of replaying.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ Overrides = dict[str, str]
 # measured figure used, without needing the tokenizer's file. Random tokens have no documents to mask.
 SYNTHETIC_DATA = ["data.source=synthetic", "data.tokenizer=byte", "model.vocab_size=50304", "data.document_mask=false"]
 COLUMNS = ["status", "exit_code", "compile_s", "to_step1_s", "tokens_per_s", "mfu", "peak_mem_gib", "graph_breaks",
-           "graphs_compiled", "recompiles", "cudagraph_skips", "final_loss", "error"]
+           "graphs_compiled", "recompiles", "cudagraph_skips", "cudagraph_rerecords", "final_loss", "error"]
 # What TORCH_LOGS=recompiles prints once per recompile (torch/_dynamo/guards.py).
 _RECOMPILE_LINE = "[__recompiles] Recompiling function"
 # train.py's one-line ConfigError, then a Python exception line of rank 0, then of any process.
@@ -116,6 +118,8 @@ def read_results(tb_dir: Path, warmup: int, launched_at: float) -> dict[str, flo
         results["graphs_compiled"] = int(series["compile/graphs_compiled"][0].value)
     if "compile/cudagraph_skips" in series:
         results["cudagraph_skips"] = int(series["compile/cudagraph_skips"][-1].value)
+    if "compile/cudagraph_recorded_inputs" in series:  # logged at step 2, then at each step the count rose
+        results["cudagraph_rerecords"] = len(series["compile/cudagraph_recorded_inputs"]) - 1
     if "train/loss" in series:
         results["final_loss"] = series["train/loss"][-1].value
     return results

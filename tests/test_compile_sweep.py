@@ -130,7 +130,8 @@ def test_e2e_ratio_per_seq_len(tmp_path):
 
 
 def test_cell_command_and_recompile_count(tmp_path):
-    """A stand-in trainer: prints its command line, recompiles a function twice and logs the compile counter."""
+    """A stand-in trainer: prints its command line, recompiles a function twice and logs the compile counters (CUDA
+    graphs recorded at step 2 and again at steps 4 and 5)."""
     from benchmarking.sweep import sweep
 
     fake_train = tmp_path / "fake_train.py"
@@ -143,12 +144,15 @@ def test_cell_command_and_recompile_count(tmp_path):
         "    double(torch.ones(n))\n"
         "run_dir = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--job.run_dir='))\n"
         "with SummaryWriter(run_dir + '/tb') as writer:\n"
-        "    writer.add_scalar('compile/graphs_compiled', 1.0, 2)\n")
+        "    writer.add_scalar('compile/graphs_compiled', 1.0, 2)\n"
+        "    for step, recorded in ((2, 40.0), (4, 48.0), (5, 56.0)):  # graphs recorded again at steps 4 and 5\n"
+        "        writer.add_scalar('compile/cudagraph_recorded_inputs', recorded, step)\n")
     out = tmp_path / "sweep"
     recipe = str(REPO / "recipes/debug.toml")
     (row,) = sweep(recipe, [[{"compile.mode": "max-autotune"}]], overrides={"data.seq_len": "64"}, steps=6,
                    warmup=2, out=out, launcher=f"OMP_NUM_THREADS=1 {sys.executable} {fake_train}")
     assert row["status"] == "ok" and row["graphs_compiled"] == 1 and row["recompiles"] == 2
+    assert row["cudagraph_rerecords"] == 2
     argv = next(line for line in (out / row["cell"] / "output.log").read_text().splitlines()
                 if line.startswith("argv "))
     assert argv.split()[1:] == [recipe, "--data.seq_len=64", "--compile.mode=max-autotune", "--training.steps=6",
