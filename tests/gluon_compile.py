@@ -1,0 +1,138 @@
+"""Compiles the Gluon key-block-major selected forward (`nsa_models/nsa/gluon_selected.py`) for Hopper (sm_90) on a
+machine without a GPU, with the arguments the host code launches it with, and prints what the PTX holds: wgmma and
+cp.async instruction counts, shared memory, and ptxas's registers / spills per shape, next to the Triton
+`_fwd_item_kernel` compiled for the same launch.
+
+As tests/hopper_compile.py does for the Triton kernels: the launch is recorded from `gluon_fwd_items` (given the
+work lists and `_item_args` of CPU tensors) instead of run, then compiled. Cases: nsa-125m's heads (4 KV heads,
+G = 3, D = 64) and nsa-1b's (4 KV heads, G = 4, D = 128), 16 blocks of 64 keys chosen. Exit status 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.attention import random_block_indices  # noqa: E402
+from nsa_models.nsa import gluon_selected  # noqa: E402
+from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
+from nsa_models.nsa.triton_selected import _ITEM_ROWS, _fwd_item_kernel, _item_args, reverse_index  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+CASES = [  # name, H (KV heads), G, D, T
+    ("nsa-125m", 4, 3, 64, 4096),
+    ("nsa-1b", 4, 4, 128, 4096),
+    ("G=1 D=128", 4, 1, 128, 4160),  # T not a multiple of 64
+]
+BS, N_SEL = 64, 16
+PTX_COUNTS = {  # what the kernel is meant to be made of
+    "wgmma.mma_async": r"wgmma\.mma_async",
+    "cp.async": r"cp\.async\.c[ag]\.shared",
+    "cp.async.wait_group": r"cp\.async\.wait_group",
+    "fence.proxy.async": r"fence\.proxy\.async",
+    "bar.sync": r"bar\.sync|barrier\.sync",
+}
+
+
+def recorded_launch(H: int, G: int, D: int, T: int) -> tuple[tuple, dict]:
+    """The positional and keyword arguments `gluon_fwd_items` gives the kernel for bf16 CPU tensors of this shape."""
+    q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
+    idx = random_block_indices(1, H, T, N_SEL, BS, "cpu")
+    items, query_slot, _ = reverse_index(idx, BS, T)
+    args = _item_args(q, k, N_SEL, items, query_slot, BS, (0, 0), _ITEM_ROWS, stages=2)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((a, kw))
+
+    kernel = gluon_selected._fwd_item_kernel
+    gluon_selected._fwd_item_kernel = Recorder()
+    try:
+        gluon_selected.gluon_fwd_items(q, k, v, O_PART=q, LSE_PART=q.float(), qk_scale=D**-0.5 * LOG2E, **args)
+    finally:
+        gluon_selected._fwd_item_kernel = kernel
+    (launch,) = launches
+    return launch
+
+
+def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
+    """triton.compile of a kernel (the Gluon one, or for comparison the Triton one) for sm_90: constexpr
+    parameters as constants, the rest typed as the launcher types them, every tensor 16-byte aligned (as CUDA's
+    allocator gives them and `gluon_fwd_items` requires: the 16-byte cp.async copies need the launcher's
+    divisibility hint)."""
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[param.name] = mangle_type(value)
+            if isinstance(value, torch.Tensor):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = source_type(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def ptxas_report(ptx: str) -> str:
+    """Registers and spill bytes ptxas reports for the PTX (sm_90a), from Triton's bundled ptxas."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return f"no ptxas at {ptxas}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        result = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(Path(tmp) / "k.cubin")],
+                                capture_output=True, text=True)
+    text = result.stdout + result.stderr
+    found = [re.search(pattern, text) for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores")]
+    regs, spills = (m.group(1) if m else "?" for m in found)
+    return f"registers {regs}, spill stores {spills} B"
+
+
+def summary(compiled) -> str:
+    """The PTX's instruction counts, shared memory and ptxas's report of one compiled kernel."""
+    ptx = compiled.asm["ptx"]
+    counts = ", ".join(f"{key} {len(re.findall(pattern, ptx))}" for key, pattern in PTX_COUNTS.items())
+    return f"{counts}; shared {compiled.metadata.shared} B; {ptxas_report(ptx)}"
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, target {HOPPER}")
+    failures = 0
+    for name, H, G, D, T in CASES:
+        args, kwargs = recorded_launch(H, G, D, T)
+        label = f"{name}: H={H} G={G} D={D} T={T} (QB={kwargs['QB']})"
+        try:
+            compiled = compile_launch(gluon_selected._fwd_item_kernel, GluonASTSource, args, kwargs)
+        except Exception as e:  # the compiler's message names the line
+            failures += 1
+            print(f"FAILED {label}: {type(e).__name__}: {e}")
+            continue
+        print(f"compiled {label}\n  gluon:  {summary(compiled)}")
+        # The Triton kernel as the forward op launches it, for comparison (4 warps, 2 or 3 stages: `_item_args`).
+        triton_kwargs = {key: value for key, value in kwargs.items() if key not in ("NUM_WARPS", "num_warps")}
+        triton_kwargs |= dict(PRECISION="tf32", BD=kwargs["D"], num_warps=4, num_stages=3 if kwargs["D"] > 64 else 2)
+        print(f"  triton: {summary(compile_launch(_fwd_item_kernel, ASTSource, args, triton_kwargs))}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
