@@ -1,12 +1,14 @@
-"""The key-block-major selected forward's item kernel: Triton's `_fwd_item_kernel` against the Gluon one
-(`nsa_models/nsa/gluon_selected.py`), on the same work lists, at nsa-125m's and nsa-1b's head shapes (needs a Hopper
-GPU). Prints ms per call (triton.testing.do_bench, median) and the TFLOP/s each reaches on the useful work: 4 * l' * D
-FLOPs per (query row, chosen block) pair (QK^T and PV), whatever the padding of a step's rows.
+"""The key-block-major selected item kernels, Triton's against the Gluon ones (`nsa_models/nsa/gluon_selected.py`),
+on the same work lists, at nsa-125m's and nsa-1b's head shapes (needs a Hopper GPU): the forward's
+`_fwd_item_kernel` and the backward's `_bwd_dkdv_kernel` (with and without the dQ term; the Gluon one also at the
+other rows per step / warps it supports). Prints ms per call (triton.testing.do_bench, median) and the TFLOP/s each
+reaches on the useful work per (query row, chosen block) pair, whatever the padding of a step's rows: 4 * l' * D
+FLOPs forward (QK^T, PV), 8 * l' * D backward (QK^T, dO V^T, P^T dO, dS^T Q) and 10 * l' * D with the dQ term.
 
-Also the place the GPU test builds its launches from (`ItemLaunch`), so both run the kernels exactly as the forward
-op does.
+Also the place the GPU test builds its launches from (`ItemLaunch`, `DkdvLaunch`), so both run the kernels exactly
+as the forward and backward ops do.
 
-    PYTHONPATH=. python3 bench/gluon_selected.py
+    PYTHONPATH=. python3 bench/gluon_selected.py [fwd|bwd]   # both by default
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.attention import random_block_indices  # noqa: E402
-from nsa_models.nsa.gluon_selected import gluon_fwd_items  # noqa: E402
+from nsa_models.nsa.gluon_selected import bwd_launch_shape, gluon_bwd_dkdv_items, gluon_fwd_items  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
-from nsa_models.nsa.triton_selected import _ITEM_ROWS, _fwd_item_kernel, _item_args, reverse_index  # noqa: E402
+from nsa_models.nsa.triton_selected import (  # noqa: E402
+    _ITEM_ROWS,
+    _ITEM_ROWS_DQ,
+    _bwd_dkdv_kernel,
+    _combine,
+    _fwd_item_kernel,
+    _item_args,
+    reverse_index,
+)
 
 BS, N_SEL = 64, 16  # l' and n of every flavor
 SHAPES = [  # name, B, T, H (KV heads), G, D
@@ -95,8 +105,98 @@ def time_shape(B: int, T: int, H: int, G: int, D: int) -> tuple[int, float, floa
     return launch.args["ITEM_SEG"].shape[0], ms_triton, ms_gluon, launch.flops() / 1e9
 
 
-def main() -> None:
+@dataclass
+class DkdvLaunch:
+    """The backward's dK/dV kernel launch for an `ItemLaunch`'s inputs: random dO, the forward's lse (the Triton
+    item kernels and `_combine`, as the forward op) and delta = rowsum(o * dO), with the arguments
+    `selected_attention_bwd` gives `_bwd_dkdv_kernel` (its rows per step, stages and warps)."""
+
+    fwd: ItemLaunch
+    do: Tensor
+    lse: Tensor  # natural log [B, T, HQ]
+    delta: Tensor
+    with_dq: bool
+    args: dict  # `_item_args` of the Triton launch
+    num_warps: int  # the Triton launch's
+    n_items: int
+
+    def outputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """DK_PART, DV_PART [items, l', D] fp32 and DQ_PART [B, T, HQ, n, D] (the input's dtype; without the dQ term
+        the kernels get DK_PART there, as in the op), NaN where no kernel writes."""
+        D = self.fwd.q.shape[3]
+        dk = self.do.new_full((self.n_items, BS, D), float("nan"), dtype=torch.float32)
+        dv = torch.full_like(dk, float("nan"))
+        dq = self.do.new_full((*self.do.shape[:3], N_SEL, D), float("nan")) if self.with_dq else dk
+        return dk, dv, dq
+
+    def used_items(self) -> Tensor:
+        """[items] bool: the items with a non-empty query range (the others store nothing)."""
+        return self.args["ITEM_START"] < self.args["ITEM_END"]
+
+    def _kwargs(self, dk: Tensor, dv: Tensor, dq: Tensor) -> dict:
+        D = self.fwd.q.shape[3]
+        return dict(DK_PART=dk, DV_PART=dv, DQ_PART=dq, qk_scale=self.fwd.qk_scale, scale=D**-0.5,
+                    WITH_DQ=self.with_dq, num_warps=self.num_warps, **self.args)
+
+    def run_triton(self, dk: Tensor, dv: Tensor, dq: Tensor) -> None:
+        f = self.fwd
+        _bwd_dkdv_kernel[(self.n_items,)](f.q, f.k, f.v, self.do, self.lse, self.delta, **self._kwargs(dk, dv, dq))
+
+    def run_gluon(self, dk: Tensor, dv: Tensor, dq: Tensor, rows: int | None = None, warps: int | None = None):
+        f = self.fwd
+        gluon_bwd_dkdv_items(f.q, f.k, f.v, self.do, self.lse, self.delta, **self._kwargs(dk, dv, dq), rows=rows,
+                             warps=warps)
+
+    def flops(self) -> int:
+        """Useful FLOPs: 8 * l' * D per (query row, chosen block) pair, 10 * l' * D with the dQ term."""
+        return self.fwd.flops() // 4 * (10 if self.with_dq else 8)
+
+
+def dkdv_launch(B: int, T: int, H: int, G: int, D: int, with_dq: bool, q_start: int = 0,
+                seed: int = 0) -> DkdvLaunch:
+    """`item_launch`'s inputs with the backward's: the forward run to get lse (and o, for delta), random dO."""
+    fwd = item_launch(B, T, H, G, D, q_start, seed)
+    o_part, lse_part = fwd.outputs()
+    fwd.run_triton(o_part, lse_part)
+    o, lse = torch.empty_like(fwd.q), fwd.q.new_empty(fwd.q.shape[:3], dtype=torch.float32)
+    _combine(o_part, lse_part, fwd.block_indices, o, lse)
+    del o_part, lse_part
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    do = torch.randn(fwd.q.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    delta = (o.float() * do.float()).sum(-1)
+    rows = _ITEM_ROWS_DQ if with_dq and G >= 3 and D > 64 else _ITEM_ROWS
+    items, query_slot, _ = reverse_index(fwd.block_indices, BS, fwd.k.shape[1])
+    args = _item_args(fwd.q, fwd.k, N_SEL, items, query_slot, BS, (q_start, q_start), rows,
+                      stages=3 if with_dq else 2)
+    return DkdvLaunch(fwd, do, lse, delta, with_dq, args, 8 if with_dq and D > 64 else 4, items.shape[1])
+
+
+def time_bwd_shape(B: int, T: int, H: int, G: int, D: int, with_dq: bool) -> list[tuple[str, float, float]]:
+    """(kernel, ms, useful GFLOP) of one shape's dK/dV launches: Triton's, the Gluon default, its alternatives."""
+    launch = dkdv_launch(B, T, H, G, D, with_dq)
+    dk, dv, dq = launch.outputs()
+    gflop = launch.flops() / 1e9
+    args = launch.args
+    results = [(f"triton {args['BR']}r {launch.num_warps}w", triton.testing.do_bench(
+        lambda: launch.run_triton(dk, dv, dq)), gflop)]
+    default = bwd_launch_shape(G, D)
+    for rows, warps in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default]:
+        label = f"gluon {rows}r {warps}w" + (" (default)" if (rows, warps) == default else "")
+        ms = triton.testing.do_bench(lambda r=rows, w=warps: launch.run_gluon(dk, dv, dq, r, w))
+        results.append((label, ms, gflop))
+    return results
+
+
+def main(which: str = "all") -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if which in ("all", "fwd"):
+        bench_fwd()
+    if which in ("all", "bwd"):
+        bench_bwd()
+
+
+def bench_fwd() -> None:
+    print("forward item kernel")
     print(f"{'shape':<18} {'G':>2} {'D':>4} {'items':>7} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} "
           f"{'triton TF/s':>12} {'gluon TF/s':>11}")
     for label, B, T, H, G, D in SHAPES:
@@ -106,5 +206,18 @@ def main() -> None:
               f"{gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f}")
 
 
+def bench_bwd() -> None:
+    print("backward dK/dV kernel (speedup: against the Triton launch)")
+    print(f"{'shape':<18} {'G':>2} {'D':>4} {'dQ':>3} {'kernel':<26} {'ms':>8} {'speedup':>8} {'TF/s':>7}")
+    for with_dq in (True, False):
+        for label, B, T, H, G, D in SHAPES:
+            results = time_bwd_shape(B, T, H, G, D, with_dq)
+            torch.cuda.empty_cache()
+            ms_triton = results[0][1]
+            for kernel, ms, gflop in results:
+                print(f"{label:<18} {G:>2} {D:>4} {'yes' if with_dq else 'no':>3} {kernel:<26} {ms:>8.3f} "
+                      f"{ms_triton / ms:>7.2f}x {gflop / ms:>7.1f}")
+
+
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])

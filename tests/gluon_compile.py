@@ -1,11 +1,14 @@
-"""Compiles the Gluon key-block-major selected forward (`nsa_models/nsa/gluon_selected.py`) for Hopper (sm_90) on a
-machine without a GPU, with the arguments the host code launches it with, and prints what the PTX holds: wgmma and
-cp.async instruction counts, shared memory, and ptxas's registers / spills per shape, next to the Triton
-`_fwd_item_kernel` compiled for the same launch.
+"""Compiles the Gluon key-block-major selected kernels (`nsa_models/nsa/gluon_selected.py`: the forward and the
+backward's dK/dV kernel) for Hopper (sm_90) on a machine without a GPU, with the arguments the host code launches
+them with, and prints what the PTX holds: wgmma and cp.async instruction counts, shared memory, and ptxas's
+registers / spills per shape, next to the Triton `_fwd_item_kernel` / `_bwd_dkdv_kernel` compiled for the same
+launch.
 
 As tests/hopper_compile.py does for the Triton kernels: the launch is recorded from `gluon_fwd_items` (given the
 work lists and `_item_args` of CPU tensors) instead of run, then compiled. Cases: nsa-125m's heads (4 KV heads,
-G = 3, D = 64) and nsa-1b's (4 KV heads, G = 4, D = 128), 16 blocks of 64 keys chosen. Exit status 1 if any fails.
+G = 3, D = 64) and nsa-1b's (4 KV heads, G = 4, D = 128), 16 blocks of 64 keys chosen; the backward at both with
+and without the dQ term (WITH_DQ), with the rows per step and warps `selected_attention_bwd` gives each. Exit status 1
+if any fails.
 """
 
 from __future__ import annotations
@@ -28,13 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.attention import random_block_indices  # noqa: E402
 from nsa_models.nsa import gluon_selected  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
-from nsa_models.nsa.triton_selected import _ITEM_ROWS, _fwd_item_kernel, _item_args, reverse_index  # noqa: E402
+from nsa_models.nsa.triton_selected import (  # noqa: E402
+    _ITEM_ROWS,
+    _ITEM_ROWS_DQ,
+    _bwd_dkdv_kernel,
+    _fwd_item_kernel,
+    _item_args,
+    reverse_index,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CASES = [  # name, H (KV heads), G, D, T
     ("nsa-125m", 4, 3, 64, 4096),
     ("nsa-1b", 4, 4, 128, 4096),
     ("G=1 D=128", 4, 1, 128, 4160),  # T not a multiple of 64
+]
+BWD_CASES = [  # name, H (KV heads), G, D, T, WITH_DQ
+    ("nsa-125m", 4, 3, 64, 4096, True),
+    ("nsa-125m", 4, 3, 64, 4096, False),
+    ("nsa-1b", 4, 4, 128, 4096, True),
+    ("nsa-1b", 4, 4, 128, 4096, False),
 ]
 BS, N_SEL = 64, 16
 PTX_COUNTS = {  # what the kernel is meant to be made of
@@ -67,6 +83,40 @@ def recorded_launch(H: int, G: int, D: int, T: int) -> tuple[tuple, dict]:
         gluon_selected._fwd_item_kernel = kernel
     (launch,) = launches
     return launch
+
+
+def recorded_bwd_launch(H: int, G: int, D: int, T: int, with_dq: bool, rows: int | None = None,
+                        warps: int | None = None) -> tuple[tuple, dict, dict]:
+    """The arguments `gluon_bwd_dkdv_items` gives the Gluon dK/dV kernel (its own rows per step and warps, or
+    `rows` / `warps`), called with the keywords `selected_attention_bwd` gives `_bwd_dkdv_kernel`; and the Triton
+    kernel's keywords in that launch (its rows per step, stages and warps for this shape)."""
+    q = do = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
+    lse = delta = torch.zeros(1, T, H * G, dtype=torch.float32)
+    idx = random_block_indices(1, H, T, N_SEL, BS, "cpu")
+    items, query_slot, _ = reverse_index(idx, BS, T)
+    triton_rows = _ITEM_ROWS_DQ if with_dq and G >= 3 and D > 64 else _ITEM_ROWS
+    args = _item_args(q, k, N_SEL, items, query_slot, BS, (0, 0), triton_rows, stages=3 if with_dq else 2)
+    dk_part = torch.zeros(items.shape[1], BS, D, dtype=torch.float32)
+    dq_part = q.new_zeros(1, T, H * G, N_SEL, D) if with_dq else dk_part
+    outputs = dict(DK_PART=dk_part, DV_PART=dk_part, DQ_PART=dq_part, qk_scale=D**-0.5 * LOG2E, scale=D**-0.5,
+                   WITH_DQ=with_dq, num_warps=8 if with_dq and D > 64 else 4)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((a, kw))
+
+    kernel = gluon_selected._bwd_dkdv_kernel
+    gluon_selected._bwd_dkdv_kernel = Recorder()
+    try:
+        gluon_selected.gluon_bwd_dkdv_items(q, k, v, do, lse, delta, **outputs, **args, rows=rows, warps=warps)
+    finally:
+        gluon_selected._bwd_dkdv_kernel = kernel
+    ((launch_args, launch_kwargs),) = launches
+    constexprs = ("N_SEL", "H", "G", "D", "BS", "BR", "QB", "BD", "PRECISION", "WITH_DQ", "num_warps", "num_stages")
+    triton_kwargs = {key: value for key, value in (outputs | args).items() if key in constexprs}
+    return launch_args, launch_kwargs, triton_kwargs
 
 
 def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
@@ -131,6 +181,23 @@ def main() -> int:
         triton_kwargs = {key: value for key, value in kwargs.items() if key not in ("NUM_WARPS", "num_warps")}
         triton_kwargs |= dict(PRECISION="tf32", BD=kwargs["D"], num_warps=4, num_stages=3 if kwargs["D"] > 64 else 2)
         print(f"  triton: {summary(compile_launch(_fwd_item_kernel, ASTSource, args, triton_kwargs))}")
+    for name, H, G, D, T, with_dq in BWD_CASES:
+        args, kwargs, triton_kwargs = recorded_bwd_launch(H, G, D, T, with_dq)
+        print(f"bwd dK/dV {name}: H={H} G={G} D={D} T={T} WITH_DQ={with_dq}")
+        # The Gluon kernel at its default rows per step / warps (`bwd_launch_shape`), then the alternatives.
+        default = (kwargs["BR"], kwargs["num_warps"])
+        for shape in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default]:
+            label = f"gluon {shape[0]:>3} rows {shape[1]} warps{' (default)' if shape == default else ''}"
+            try:
+                args, kwargs, _ = recorded_bwd_launch(H, G, D, T, with_dq, *shape)
+                compiled = compile_launch(gluon_selected._bwd_dkdv_kernel, GluonASTSource, args, kwargs)
+                print(f"  {label}: {summary(compiled)}")
+            except Exception as e:
+                failures += 1
+                print(f"  FAILED {label}: {type(e).__name__}: {e}")
+        # The Triton kernel as `selected_attention_bwd` launches it.
+        label = f"triton {triton_kwargs['BR']:>3} rows {triton_kwargs['num_warps']} warps"
+        print(f"  {label}: {summary(compile_launch(_bwd_dkdv_kernel, ASTSource, args, triton_kwargs))}")
     return 1 if failures else 0
 
 

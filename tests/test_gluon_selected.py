@@ -1,16 +1,19 @@
-"""The Gluon key-block-major selected forward (`nsa_models/nsa/gluon_selected.py`) against Triton's
-`_fwd_item_kernel` on a Hopper GPU: the same work lists (the repo's `reverse_index` / `_item_args`), random bf16
-inputs and random valid block choices, and the per-(row, slot) outputs and log-sum-exps compared slot by slot.
+"""The Gluon key-block-major selected kernels (`nsa_models/nsa/gluon_selected.py`) against Triton's on a Hopper GPU:
+the same work lists (the repo's `reverse_index` / `_item_args`), random bf16 inputs and random valid block choices.
+The forward (`_fwd_item_kernel`): the per-(row, slot) outputs and log-sum-exps compared slot by slot. The backward's
+dK/dV kernel (`_bwd_dkdv_kernel`, with and without the dQ term, the Gluon one at each rows per step / warps it
+supports): the per-item dK / dV partial sums and the per-(row, slot) dQ terms, from the forward's lse and random dO.
 
 Both kernels write exactly the slots of chosen blocks (checked: NaN-filled buffers stay NaN elsewhere). Outputs
 within 1e-2 relative error (bf16 P and outputs, fp32 accumulation in both), lse within 1e-3 where finite and -inf in
-the same slots (rows that see no key).
+the same slots (rows that see no key). Backward: DK_PART / DV_PART within 1e-2 relative error on the used items
+(NaN elsewhere), DQ_PART within 1e-2 on the chosen slots (NaN elsewhere).
 """
 
 import pytest
 import torch
 
-from bench.gluon_selected import item_launch
+from bench.gluon_selected import dkdv_launch, item_launch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,3 +56,41 @@ def test_gluon_matches_triton(B: int, T: int, H: int, G: int, D: int, q_start: i
     assert (lse_got[~finite] == float("-inf")).all() and (lse_want[~finite] == float("-inf")).all()
     lse_err = (lse_got[finite] - lse_want[finite]).abs().max().item()
     assert lse_err <= 1e-3, f"LSE_PART max abs error {lse_err:.2e}"
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+# Every case at the Gluon kernel's default rows per step / warps (`bwd_launch_shape`); the 8k cases also at the
+# other ones it supports (the bench times them all).
+DKDV_CASES = [(*case, None) for case in CASES] + [(*case, shape) for case in CASES[:2]
+                                                   for shape in ((64, 4), (64, 8), (128, 8))]
+
+
+@pytest.mark.parametrize("with_dq", [True, False], ids=["dq", "no-dq"])
+@pytest.mark.parametrize("B, T, H, G, D, q_start, shape", DKDV_CASES)
+def test_gluon_dkdv_matches_triton(B: int, T: int, H: int, G: int, D: int, q_start: int,
+                                   shape: tuple[int, int] | None, with_dq: bool):
+    launch = dkdv_launch(B, T, H, G, D, with_dq, q_start)
+    dk_t, dv_t, dq_t = launch.outputs()
+    dk_g, dv_g, dq_g = launch.outputs()
+    launch.run_triton(dk_t, dv_t, dq_t)
+    launch.run_gluon(dk_g, dv_g, dq_g, *(shape or (None, None)))
+    torch.cuda.synchronize()
+
+    used = launch.used_items()
+    for name, want, got in (("DK_PART", dk_t, dk_g), ("DV_PART", dv_t, dv_g)):
+        assert not want[used].isnan().any(), f"the Triton kernel left a used item of {name} unwritten"
+        assert not got[used].isnan().any(), f"the Gluon kernel left a used item of {name} unwritten (or NaN)"
+        assert got[~used].isnan().all(), f"the Gluon kernel wrote an unused item of {name}"
+        err = _rel_err(got[used], want[used])
+        assert err <= 1e-2, f"{name} relative error {err:.2e}"
+    if with_dq:
+        filled = launch.fwd.filled()
+        assert not dq_t[filled].isnan().any(), "the Triton kernel left a chosen slot of DQ_PART unwritten"
+        assert not dq_g[filled].isnan().any(), "the Gluon kernel left a chosen slot of DQ_PART unwritten (or NaN)"
+        assert dq_g[~filled].isnan().all(), "the Gluon kernel wrote a padding slot of DQ_PART"
+        err = _rel_err(dq_g[filled], dq_t[filled])
+        assert err <= 1e-2, f"DQ_PART relative error {err:.2e}"

@@ -1,13 +1,19 @@
-"""Key-block-major selected-attention forward in Gluon (Triton's explicit-layout dialect), for Hopper (sm_90).
+"""Key-block-major selected attention in Gluon (Triton's explicit-layout dialect), for Hopper (sm_90): the forward
+item kernel and the backward's dK/dV kernel.
 
-The same work as `triton_selected._fwd_item_kernel` (inputs, outputs and the arithmetic of each (query row, chosen
-block) pair), written so that what Triton's compiler would have to infer is stated: the item's key and value block
-sit in NVMMA-swizzled shared memory for the whole program, each step's gathered query rows arrive by cp.async into
-one of two shared buffers while the previous step computes, and both products run on warpgroup MMA (wgmma) with
-fp32 accumulators, the probabilities fed from registers. One warpgroup (4 warps) runs 64 rows a step.
+Forward: the same work as `triton_selected._fwd_item_kernel` (inputs, outputs and the arithmetic of each (query row,
+chosen block) pair), written so that what Triton's compiler would have to infer is stated: the item's key and value
+block sit in NVMMA-swizzled shared memory for the whole program, each step's gathered query rows arrive by cp.async
+into one of two shared buffers while the previous step computes, and both products run on warpgroup MMA (wgmma)
+with fp32 accumulators, the probabilities fed from registers. One warpgroup (4 warps) runs 64 rows a step.
 
-Supported: bf16 inputs, head dim 64 or 128, selection blocks of 64 keys, 64 rows a step (`gluon_fwd_items` raises
-otherwise); the caller routes other shapes to the Triton kernel.
+Backward (`_bwd_dkdv_kernel`, as `triton_selected._bwd_dkdv_kernel`): the same item structure with q and dO
+gathered double-buffered, the five products on wgmma (P^T and dS^T read transposed from shared memory), dK and dV
+accumulated in fp32 registers over the item, and with WITH_DQ each pair's dQ term stored per (row, slot). Rows per
+step and warps: `bwd_launch_shape`.
+
+Supported: bf16 inputs, head dim 64 or 128, selection blocks of 64 keys, 64 rows a step for the forward
+(`gluon_fwd_items` / `gluon_bwd_dkdv_items` raise otherwise); the caller routes other shapes to the Triton kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ _NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a step's rows
 _BS = 64  # keys per selection block
 _BR = 64  # rows (queries x heads) per step
 _HEAD_DIMS = (64, 128)
+_BWD_ROWS = (64, 128)  # rows per step of the dK/dV kernel
 
 
 @gluon.constexpr_function
@@ -132,12 +139,144 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
 
 
-def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int, rows: int) -> bool:
-    """Whether the Gluon kernel covers this call: bf16 q, k, v at 16-byte aligned addresses (the cp.async copies move
-    16 bytes; compiled for an unaligned base they would not lower), head dim 64 or 128, blocks of 64 keys, 64 rows a
-    step (what `_item_args` gives the forward)."""
-    return (all(x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 for x in (q, k, v)) and q.shape[-1] in _HEAD_DIMS
-            and block_size == _BS and rows == _BR)
+@gluon.constexpr_function
+def _acc_layout(m, n, num_warps):
+    """wgmma accumulator layout of an [m, n] tile on num_warps warps (4 or 8): each warp 16 rows at a time, the
+    warps stacked along the rows as far as m allows (8 warps on 64 rows: two warpgroups, each half the columns)."""
+    along_m = min(num_warps, m // 16)
+    along_n = num_warps // along_m
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[along_m, along_n],
+                                     instr_shape=[16, n // along_n, 16])
+
+
+@gluon.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, DK_PART, DV_PART, DQ_PART, T,
+                     TK, Q0, Q0_ODD, N_BLK, qk_scale, scale, N_SEL: gl.constexpr, H: gl.constexpr,
+                     G: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, BR: gl.constexpr, QB: gl.constexpr,
+                     WITH_DQ: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """dK/dV partial sums of one item (grid: the reverse index's items), as `triton_selected._bwd_dkdv_kernel`;
+    with WITH_DQ also each (query row, chosen block) pair's dQ term, into the pair's slot of DQ_PART.
+
+    A step: S = q k^T and dP = dO v^T on wgmma from the gathered rows in shared memory, P and dS in registers
+    (the accumulators' layout), then dV += P^T dO and dK += dS^T q on wgmma with P and dS written to shared memory
+    and read transposed (a permuted view: wgmma reads a 16-bit A operand in either major order), and dQ = dS k
+    with dS from registers. dK and dV stay in fp32 registers across the item's steps."""
+    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
+    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    s_l: gl.constexpr = _acc_layout(BR, BS, NUM_WARPS)  # S, dP, P, dS [BR, BS]
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    kv_l: gl.constexpr = _acc_layout(BS, D, NUM_WARPS)  # dK, dV [BS, D]
+    dq_l: gl.constexpr = _acc_layout(BR, D, NUM_WARPS)  # dQ [BR, D]
+    ds_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_l, k_width=2)
+    tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, D], gl.bfloat16)
+    block_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BS], gl.bfloat16)
+
+    item = gl.program_id(0).to(gl.int64)
+    seg = gl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
+    start = gl.load(ITEM_START + item)
+    end = gl.load(ITEM_END + item)
+    bh, j = seg // N_BLK, seg % N_BLK
+    b, h = bh // H, bh % H
+    q0 = Q0 + (b % 2) * (Q0_ODD - Q0)  # `triton_common.row_offset`
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+
+    # The key and value block (rows past TK zero-filled) and the first step's q and dO rows: one cp.async group.
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], block_sl)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], block_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, D], tile_sl)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, D], tile_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BS], p_sl)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BS], p_sl)
+    key = j * BS + gl.arange(0, BS, layout=row_l)
+    kv = ((b * TK + key) * H + h) * D
+    kv_ok = (key < TK)[:, None]
+    async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
+    async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
+    ok, t, rows, slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+    async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
+    async_copy.commit_group()
+    # This step's rows again in the accumulators' row layout (a second, cached read of QSLOT instead of a layout
+    # conversion through shared memory and its barriers): which exist, their query, lse (log2 units, as
+    # `triton_common.load_rows`: 0 for rows that do not exist, whose P is masked to 0 anyway) and delta.
+    s_ok, s_t, s_rows, _ = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
+    lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
+    delta = gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
+
+    pos = j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))
+    dk = gl.zeros([BS, D], gl.float32, kv_l)
+    dv = gl.zeros([BS, D], gl.float32, kv_l)
+    buf = 0
+    for qs in range(start, end, QB):
+        # This step's rows have landed and every thread is past the previous step (whose MMAs read the buffers the
+        # next gather and this step's P / dS writes overwrite); the fence orders cp.async's writes (generic proxy)
+        # before wgmma's reads (async proxy).
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        n_ok, n_t, n_rows, n_slot = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+        async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
+                                               mask=n_ok[:, None])
+        async_copy.async_copy_global_to_shared(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
+                                               mask=n_ok[:, None])
+        async_copy.commit_group()
+
+        q_buf = q_smem.index(buf)
+        do_buf = do_smem.index(buf)
+        s = warpgroup_mma(q_buf, k_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l), use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_buf, v_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l), use_acc=False,
+                           is_async=True)
+        # The next step's per-row values, loaded while the MMAs run.
+        n_s_ok, n_s_t, n_s_rows, _ = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
+        n_lse = gl.load(LSE + n_s_rows, mask=n_s_ok, other=0.0) * 1.4426950408889634
+        n_delta = gl.load(DELTA + n_s_rows, mask=n_s_ok, other=0.0)
+        seen = q0 + s_t  # the last key position each row may see
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        visible = s_ok[:, None] & (pos[None, :] <= seen[:, None])
+        p = gl.where(visible, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        p16 = p.to(gl.bfloat16)
+        ds16 = ds.to(gl.bfloat16)
+        p_smem.store(p16)
+        ds_smem.store(ds16)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's rows of P and dS are written before a warpgroup's MMA reads them all
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_buf, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
+        if WITH_DQ:
+            # dS as the A operand from registers, read back from its shared copy (no register shuffle).
+            dq = warpgroup_mma(ds_smem.load(ds_op_l), k_smem, gl.zeros([BR, D], gl.float32, dq_l),
+                               use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+            # Stored from the gather layout: 16-byte stores, four addresses a thread.
+            gl.store(DQ_PART + (rows * N_SEL + slot)[:, None] * D + d[None, :],
+                     gl.convert_layout((dq * scale).to(DQ_PART.dtype.element_ty), rows_l), mask=ok[:, None])
+        else:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        ok, rows, slot = n_ok, n_rows, n_slot
+        s_ok, s_t, lse, delta = n_s_ok, n_s_t, n_lse, n_delta
+        buf ^= 1
+    async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
+
+    # An item past the real count (empty range) stores nothing, as the Triton kernel.
+    u = gl.arange(0, BS, layout=gl.SliceLayout(1, kv_l))
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, kv_l))
+    used = (u < gl.where(start < end, BS, 0))[:, None] & (dd < D)[None, :]
+    part = item * BS * D + u[:, None] * D + dd[None, :]
+    gl.store(DK_PART + part, dk * scale, mask=used)
+    gl.store(DV_PART + part, dv, mask=used)
+
+
+def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int, rows: int, do: Tensor | None = None) -> bool:
+    """Whether the Gluon kernels cover this call: bf16 q, k, v (and the backward's dO) at 16-byte aligned addresses
+    (the cp.async copies move 16 bytes; compiled for an unaligned base they would not lower), head dim 64 or 128,
+    blocks of 64 keys, and 64 rows a step (what `_item_args` gives the forward), or with `do` (the dK/dV kernel)
+    64 or 128 (`selected_attention_bwd` gives 128 with the dQ term at D > 64 and G >= 3)."""
+    tensors = (q, k, v) if do is None else (q, k, v, do)
+    return (all(x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 for x in tensors) and q.shape[-1] in _HEAD_DIMS
+            and block_size == _BS and rows in ((_BR,) if do is None else _BWD_ROWS))
 
 
 def gluon_fwd_items(q: Tensor, k: Tensor, v: Tensor, *, O_PART: Tensor, LSE_PART: Tensor, qk_scale: float,
@@ -154,3 +293,39 @@ def gluon_fwd_items(q: Tensor, k: Tensor, v: Tensor, *, O_PART: Tensor, LSE_PART
     _fwd_item_kernel[(ITEM_SEG.shape[0],)](q, k, v, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK,
                                            Q0, Q0_ODD, N_BLK, qk_scale, N_SEL=N_SEL, H=H, G=G, D=D, BS=BS, BR=BR,
                                            QB=QB, NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS)
+
+
+def bwd_launch_shape(G: int, D: int) -> tuple[int, int]:
+    """(rows per step, warps) of the Gluon dK/dV kernel by default, whatever the Triton launch's: 64 rows (or the
+    next power of two of G, at G > 64); 4 warps at D = 64, 8 at D = 128. ptxas spill stores compiled for sm_90
+    (tests/gluon_compile.py, nsa-125m / nsa-1b's heads, with / without the dQ term): D = 64, 64 rows on 4 warps
+    28 / 0 B (on 8 warps none, 187 / 143 registers); D = 128, 64 rows on 4 warps 632 / 168 B, on 8 warps none
+    (218 / 184 registers), 128 rows on 8 warps (Triton's launch with the dQ term) 120 / 0 B, and with the dQ term
+    224 KB of shared memory. Untimed: the bench sweeps the alternatives (`rows` / `warps` of
+    `gluon_bwd_dkdv_items`)."""
+    return max(_BR, 1 << max(0, G - 1).bit_length()), 8 if D > 64 else 4
+
+
+def gluon_bwd_dkdv_items(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, *, DK_PART: Tensor,
+                         DV_PART: Tensor, DQ_PART: Tensor, qk_scale: float, scale: float, WITH_DQ: bool,
+                         num_warps: int, ITEM_SEG: Tensor, ITEM_START: Tensor, ITEM_END: Tensor, QSLOT: Tensor,
+                         T: int, TK: int, Q0: int, Q0_ODD: int, N_BLK: int, N_SEL: int, H: int, G: int, D: int,
+                         BS: int, BR: int, QB: int, BD: int, PRECISION: str, num_stages: int,
+                         rows: int | None = None, warps: int | None = None) -> None:
+    """Launch the Gluon dK/dV (and dQ term) kernel with the arguments `selected_attention_bwd` gives
+    `_bwd_dkdv_kernel` (outputs, scales, WITH_DQ, num_warps and `_item_args`), so that a switch can route the launch
+    here. The rows per step and warps are this kernel's own (`bwd_launch_shape`, or `rows` / `warps` given):
+    the work items do not depend on them, so BR, QB, num_warps, PRECISION and num_stages (bf16 products; the
+    pipeline is explicit) of the Triton launch are not used. BD must equal D. lse is the natural-log lse
+    [B, T, HQ], delta fp32 [B, T, HQ], as there. On 8 warps with 128 rows each warpgroup takes 64 rows of a step;
+    with 64 the two warpgroups split the columns of S / dP, dK / dV and dQ."""
+    default_rows, default_warps = bwd_launch_shape(G, D)
+    rows, warps = rows or default_rows, warps or default_warps
+    if not supported(q, k, v, BS, rows, do) or BD != D or warps not in (4, 8) or rows < G:
+        raise ValueError(f"gluon_bwd_dkdv_items: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS}, {_BS}-key "
+                         f"blocks, {_BWD_ROWS} rows a step (G at most) and 4 or 8 warps; got {q.dtype}, D = {D}, "
+                         f"BS = {BS}, rows = {rows}, G = {G}, warps = {warps}")
+    _bwd_dkdv_kernel[(ITEM_SEG.shape[0],)](q, k, v, do, lse, delta, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, DK_PART,
+                                           DV_PART, DQ_PART, T, TK, Q0, Q0_ODD, N_BLK, qk_scale, scale, N_SEL=N_SEL,
+                                           H=H, G=G, D=D, BS=BS, BR=rows, QB=rows // G, WITH_DQ=WITH_DQ,
+                                           NUM_WARPS=warps, num_warps=warps)
