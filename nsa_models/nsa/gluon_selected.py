@@ -157,10 +157,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     """dK/dV partial sums of one item (grid: the reverse index's items), as `triton_selected._bwd_dkdv_kernel`;
     with WITH_DQ also each (query row, chosen block) pair's dQ term, into the pair's slot of DQ_PART.
 
-    A step: S = q k^T and dP = dO v^T on wgmma from the gathered rows in shared memory, P and dS in registers
-    (the accumulators' layout), then dV += P^T dO and dK += dS^T q on wgmma with P and dS written to shared memory
-    and read transposed (a permuted view: wgmma reads a 16-bit A operand in either major order), and dQ = dS k
-    with dS from registers. dK and dV stay in fp32 registers across the item's steps."""
+    A step: S = q k^T and dP = dO v^T on wgmma from the gathered rows in shared memory (the next step's rows
+    already on their way into the other buffers); P in registers (the accumulators' layout) as soon as S is done,
+    written to shared memory, and dV += P^T dO issued from its transposed view (wgmma reads a 16-bit A operand in
+    either major order) while dS = P (dP - delta) is computed; dS likewise for dK += dS^T q, and dQ = dS k with dS
+    read back into registers as the A operand. dK and dV stay in fp32 registers across the item's steps. Integer
+    positions are 32-bit (keys < 2^31), row offsets 64-bit as in the Triton kernel."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _acc_layout(BR, BS, NUM_WARPS)  # S, dP, P, dS [BR, BS]
@@ -194,6 +196,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
     async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
     ok, t, rows, slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+    dq_row = rows * N_SEL + slot  # the rows' (row, slot) pairs: rows of DQ_PART
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.async_copy_global_to_shared(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
@@ -201,10 +204,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     # conversion through shared memory and its barriers): which exist, their query, lse (log2 units, as
     # `triton_common.load_rows`: 0 for rows that do not exist, whose P is masked to 0 anyway) and delta.
     s_ok, s_t, s_rows, _ = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
+    seen = (q0 + s_t).to(gl.int32)  # the last key position each row may see (positions < 2^31)
     lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
     delta = gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
 
-    pos = j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))
+    pos = (j * BS).to(gl.int32) + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))  # key positions (< 2^31)
     dk = gl.zeros([BS, D], gl.float32, kv_l)
     dv = gl.zeros([BS, D], gl.float32, kv_l)
     buf = 0
@@ -232,18 +236,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         n_s_ok, n_s_t, n_s_rows, _ = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
         n_lse = gl.load(LSE + n_s_rows, mask=n_s_ok, other=0.0) * 1.4426950408889634
         n_delta = gl.load(DELTA + n_s_rows, mask=n_s_ok, other=0.0)
-        seen = q0 + s_t  # the last key position each row may see
-        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        # P as soon as S is done (dP still running), and P^T dO issued as soon as P is in shared memory, so that
+        # the tensor cores run it while dS is computed.
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         visible = s_ok[:, None] & (pos[None, :] <= seen[:, None])
         p = gl.where(visible, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        p16 = p.to(gl.bfloat16)
-        ds16 = ds.to(gl.bfloat16)
-        p_smem.store(p16)
-        ds_smem.store(ds16)
+        p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()  # every warp's rows of P and dS are written before a warpgroup's MMA reads them all
+        gl.thread_barrier()  # every warp's rows of P are written before a warpgroup's MMA reads them all
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_buf, dv, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))  # dP done; P^T dO may still run
+        ds_smem.store((p * (dp - delta[:, None])).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
         if WITH_DQ:
             # dS as the A operand from registers, read back from its shared copy (no register shuffle).
@@ -251,12 +256,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
                                use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
             # Stored from the gather layout: 16-byte stores, four addresses a thread.
-            gl.store(DQ_PART + (rows * N_SEL + slot)[:, None] * D + d[None, :],
+            gl.store(DQ_PART + dq_row[:, None] * D + d[None, :],
                      gl.convert_layout((dq * scale).to(DQ_PART.dtype.element_ty), rows_l), mask=ok[:, None])
         else:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        ok, rows, slot = n_ok, n_rows, n_slot
-        s_ok, s_t, lse, delta = n_s_ok, n_s_t, n_lse, n_delta
+        ok, dq_row = n_ok, n_rows * N_SEL + n_slot
+        s_ok, seen, lse, delta = n_s_ok, (q0 + n_s_t).to(gl.int32), n_lse, n_delta
         buf ^= 1
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
 
@@ -297,11 +302,11 @@ def gluon_fwd_items(q: Tensor, k: Tensor, v: Tensor, *, O_PART: Tensor, LSE_PART
 
 def bwd_launch_shape(G: int, D: int) -> tuple[int, int]:
     """(rows per step, warps) of the Gluon dK/dV kernel by default, whatever the Triton launch's: 64 rows (or the
-    next power of two of G, at G > 64); 4 warps at D = 64, 8 at D = 128. ptxas spill stores compiled for sm_90
-    (tests/gluon_compile.py, nsa-125m / nsa-1b's heads, with / without the dQ term): D = 64, 64 rows on 4 warps
-    28 / 0 B (on 8 warps none, 187 / 143 registers); D = 128, 64 rows on 4 warps 632 / 168 B, on 8 warps none
-    (218 / 184 registers), 128 rows on 8 warps (Triton's launch with the dQ term) 120 / 0 B, and with the dQ term
-    224 KB of shared memory. Untimed: the bench sweeps the alternatives (`rows` / `warps` of
+    next power of two of G, at G > 64); 4 warps at D = 64 (as Triton's launch), 8 at D = 128. ptxas spill stores
+    compiled for sm_90 (tests/gluon_compile.py, nsa-125m / nsa-1b's heads, with / without the dQ term): D = 64, 64
+    rows on 4 warps 20 / 0 B (on 8 warps none, 176 / 137 registers); D = 128, 64 rows on 4 warps 548 / 120 B, on
+    8 warps none (206 / 174 registers), 128 rows on 8 warps (Triton's launch with the dQ term) 8 / 0 B, and with
+    the dQ term 224 KB of shared memory. Untimed: the bench sweeps the alternatives (`rows` / `warps` of
     `gluon_bwd_dkdv_items`)."""
     return max(_BR, 1 << max(0, G - 1).bit_length()), 8 if D > 64 else 4
 
