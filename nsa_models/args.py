@@ -77,6 +77,13 @@ class NSAArgs:
     Those rows take the window's output as their selected output, and the selected kernels skip them (at T = 2048
     without documents the first w queries; on real text most of a short document's). False: every row runs the
     selected kernels (the A/B)."""
+    selected_kernels: Annotated[Literal["triton", "gluon_hopper"], RESUMABLE] = "triton"
+    """Key-block-major kernels of the `triton` backend's selected branch: the forward's item kernel and the
+    backward's dK/dV kernel (`triton_selected`), or their Gluon versions written for Hopper (`gluon_selected`:
+    cp.async gathers double-buffered, wgmma products). The query-tile kernels and the rest stay Triton's. Gluon runs
+    on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
+    head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable
+    path. Measured effect: not yet measured."""
     query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
     window_only: bool = False
@@ -105,7 +112,7 @@ class NSAArgs:
 
 
 # The keys that choose the triton backend's kernels: how it computes, not what (the reference has none of them).
-KERNEL_KEYS = ("window_backend", "cmp_backend", "float_atomics", "selected_from_window")
+KERNEL_KEYS = ("window_backend", "cmp_backend", "float_atomics", "selected_from_window", "selected_kernels")
 # window_backend / cmp_backend -> (the module it imports, the pip package that provides it), for the optional ones
 LIBRARY_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "flash_attn_4": ("flash_attn.cute", "flash-attn-4")}
 # the choices of each library-backed key that need no extra package (what its errors offer instead)
@@ -197,6 +204,20 @@ class ModelArgs:
                  "'flash_attn_4', or cmp_backend = 'flash_attn_4' (the only kernels with an atomic backward); set it "
                  "to false"),
             ]
+            if a.selected_kernels == "gluon_hopper":  # the Gluon kernels' shapes (`gluon_selected.supported`)
+                key, fix = "nsa.selected_kernels", "set model.nsa.selected_kernels = 'triton'"
+                checks += [
+                    (a.backend == "triton", key, "= 'gluon_hopper' needs backend = 'triton' (the reference computes "
+                     f"every branch itself): set model.nsa.backend = 'triton' (a CUDA GPU), or {fix}"),
+                    (a.window_backend != "fused_with_selected", key, "= 'gluon_hopper' replaces kernels that "
+                     f"window_backend = 'fused_with_selected' does not run: set another window_backend, or {fix}"),
+                    (a.sel_block_size == 64, key, "= 'gluon_hopper' runs selection blocks of 64 keys, but "
+                     f"model.nsa.sel_block_size = {a.sel_block_size}: set it to 64, or {fix}"),
+                    (self.head_dim in (64, 128), key, "= 'gluon_hopper' runs head dim 64 or 128, but "
+                     f"model.head_dim = {self.head_dim}: {fix}"),
+                    (self.n_groups <= 64, key, "= 'gluon_hopper' runs at most 64 query heads per KV head, but "
+                     f"model.n_heads / model.n_kv_heads = {self.n_groups}: {fix}"),
+                ]
         for ok, key, why in checks:
             if not ok:
                 raise ValueError(f"model.{key} {why}")

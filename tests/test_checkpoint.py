@@ -443,7 +443,7 @@ def test_resume_refuses_when_no_checkpoint_verifies(pg, tmp_path, capfd):
 # The trainer's hand-kept list before the marks replaced it: the migration keeps every key and adds none.
 FORMER_RESUMABLE_MODEL_KEYS = {"model.flavor", "model.init_std", "model.nsa.backend", "model.nsa.window_backend",
                                "model.nsa.cmp_backend", "model.nsa.float_atomics", "model.nsa.query_chunk",
-                               "model.nsa.selected_from_window"}
+                               "model.nsa.selected_from_window", "model.nsa.selected_kernels"}
 
 
 @dataclasses.dataclass

@@ -120,6 +120,26 @@ BAD_INPUT = [
     (None, ["--model.nsa.cmp_backend", "flash_attn_4"],
      "model.nsa.cmp_backend = 'flash_attn_4' needs backend = 'triton'"),
     (None, ["--model.nsa.cmp_backend", "cudnn"], "model.nsa.cmp_backend = 'cudnn'"),
+    (None, ["--model.nsa.selected_kernels", "gluon_hopper"],
+     "model.nsa.selected_kernels = 'gluon_hopper' needs backend = 'triton' (the reference computes every branch "
+     "itself): set model.nsa.backend = 'triton' (a CUDA GPU), or set model.nsa.selected_kernels = 'triton'"),
+    (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton",
+            "--model.nsa.window_backend", "fused_with_selected"],
+     "model.nsa.selected_kernels = 'gluon_hopper' replaces kernels that window_backend = 'fused_with_selected' "
+     "does not run: set another window_backend, or set model.nsa.selected_kernels = 'triton'"),
+    (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton"],  # debug: l' = 16
+     "model.nsa.selected_kernels = 'gluon_hopper' runs selection blocks of 64 keys, but model.nsa.sel_block_size = "
+     "16: set it to 64, or set model.nsa.selected_kernels = 'triton'"),
+    (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton",
+            "--model.nsa.sel_block_size", "64"],  # debug: head dim 32
+     "model.nsa.selected_kernels = 'gluon_hopper' runs head dim 64 or 128, but model.head_dim = 32: set "
+     "model.nsa.selected_kernels = 'triton'"),
+    (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton",
+            "--model.nsa.sel_block_size", "64", "--model.head_dim", "64", "--model.n_heads", "130",
+            "--model.n_kv_heads", "1"],
+     "model.nsa.selected_kernels = 'gluon_hopper' runs at most 64 query heads per KV head, but model.n_heads / "
+     "model.n_kv_heads = 130: set model.nsa.selected_kernels = 'triton'"),
+    (None, ["--model.nsa.selected_kernels", "cuda"], "model.nsa.selected_kernels = 'cuda'"),
     (None, ["--model.nsa.float_atomics", "true", "--model.nsa.backend", "triton", "--model.nsa.window_backend",
             "flash_attn_4", "--debug.deterministic", "true"],
      "model.nsa.float_atomics = true contradicts debug.deterministic = true"),

@@ -56,3 +56,46 @@ def test_flash_attn_4_needs_bf16_compute(key: str, instead: str, monkeypatch):
     with pytest.raises(ValueError, match=f"{key} = 'flash_attn_4' runs bf16 only.* or {key} = {instead}$"):
         check_backend(args, CUDA, torch.float32)
     check_backend(args, CUDA, torch.bfloat16)
+
+
+GLUON_FIX = ": set model.nsa.selected_kernels = 'triton'"
+
+
+def test_gluon_selected_kernels_need_hopper_bf16_and_gluon(monkeypatch):
+    """selected_kernels = 'gluon_hopper': a CUDA GPU of capability 9.x, bf16 compute and Gluon that imports; each
+    refusal one line naming the key and the fix. The shapes are ModelArgs.validate's (tests/test_config.py)."""
+    args = NSAArgs(backend="triton", selected_kernels="gluon_hopper", sel_block_size=64)
+    with pytest.raises(ValueError) as error:  # the CPU device: the backend's own refusal comes first
+        check_backend(args, torch.device("cpu"), torch.bfloat16)
+    assert str(error.value).startswith("model.nsa.backend = 'triton' needs a CUDA GPU (device is cpu)")
+    for capability, found in ((None, "no CUDA GPU here"), ((8, 0), "this one is 8.0"), ((10, 0), "this one is 10.0")):
+        monkeypatch.setattr(core, "_cuda_capability", lambda device, capability=capability: capability)
+        with pytest.raises(ValueError) as error:
+            check_backend(args, CUDA, torch.bfloat16)
+        assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' needs a CUDA GPU of capability 9.x "
+                                    f"(Hopper; {found})" + GLUON_FIX)
+    monkeypatch.setattr(core, "_cuda_capability", lambda device: (9, 0))
+    with pytest.raises(ValueError) as error:
+        check_backend(args, CUDA, torch.float32)
+    assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' runs bf16 only: set "
+                                "training.mixed_precision = 'bf16' (or 'auto'), or" + GLUON_FIX.removeprefix(":"))
+    monkeypatch.setattr(core, "_gluon_import_error", lambda: "cannot import name 'warpgroup_mma'")
+    with pytest.raises(ValueError) as error:
+        check_backend(args, CUDA, torch.bfloat16)
+    assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' needs triton.experimental.gluon (triton "
+                                "3.6 or newer), which does not import here (cannot import name 'warpgroup_mma')"
+                                + GLUON_FIX)
+    monkeypatch.undo()
+    monkeypatch.setattr(core, "_cuda_capability", lambda device: (9, 0))
+    check_backend(args, CUDA, torch.bfloat16)  # Hopper, bf16, and Gluon imports (triton 3.6 or newer installed)
+    check_backend(NSAArgs(backend="triton"), CUDA, torch.float32)  # the Triton kernels: no such requirement
+
+
+def test_gluon_selected_kernels_on_this_machine():
+    """Without a GPU (CPU test runs): the capability refusal, with the real device query."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    with pytest.raises(ValueError, match=r"^model.nsa.selected_kernels = 'gluon_hopper' needs a CUDA GPU of "
+                                         r"capability 9.x \(Hopper; no CUDA GPU here\): set "
+                                         r"model.nsa.selected_kernels = 'triton'$"):
+        check_backend(NSAArgs(backend="triton", selected_kernels="gluon_hopper"), CUDA, torch.bfloat16)

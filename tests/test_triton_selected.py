@@ -242,3 +242,44 @@ def test_head_rows_operand():
     with pytest.raises(ValueError, match="multiple of 16"):
         head_rows_operand(torch.zeros(1, 4, 1, 2), 16, True)
     assert head_rows_operand(x, 16, False) is x
+
+
+@pytest.mark.parametrize("T", [112, 64], ids=["key-major", "query-tiles"])
+def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the key-block-major forward's item launch goes to
+    `gluon_selected.gluon_fwd_items` and every backward's dK/dV launch to `gluon_bwd_dkdv_items`, with the arguments
+    the Triton kernels get (the query-tile forward stays Triton's). Here (CPU) they are recording stand-ins that
+    launch the Triton kernels with exactly those arguments, so the outputs and gradients are the default path's,
+    bit for bit; the Gluon kernels themselves run in tests/test_gluon_selected.py (Hopper)."""
+    from nsa_models.nsa import gluon_selected  # imports on a CPU machine (it compiles nothing until launched)
+
+    calls = []
+
+    def fwd_items(q, k, v, **launch):
+        calls.append("fwd")
+        triton_selected._fwd_item_kernel[(launch["ITEM_SEG"].shape[0],)](q, k, v, num_warps=4, **launch)
+
+    def bwd_dkdv_items(q, k, v, do, lse, delta, **launch):
+        calls.append("dkdv")
+        triton_selected._bwd_dkdv_kernel[(launch["ITEM_SEG"].shape[0],)](q, k, v, do, lse, delta, **launch)
+
+    monkeypatch.setattr(gluon_selected, "gluon_fwd_items", fwd_items)
+    monkeypatch.setattr(gluon_selected, "gluon_bwd_dkdv_items", bwd_dkdv_items)
+    B, H, G, D, n = 1, 2, 2, 16, 3
+    key_major = triton_selected._key_major(G, -(-T // BS), n)
+    assert key_major == (T == 112)  # 7 key blocks > 2n; 4 blocks: query tiles
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, T, H * G, D, generator=gen) * 2
+    k, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    idx = make_indices(B, H, T, n, "random", gen)
+    cot = torch.randn(B, T, H * G, D, generator=gen)
+    results = {}
+    for kernels in ("triton", "gluon_hopper"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = selected_attention(*leaves, idx, BS, D ** -0.5, kernels=kernels)
+        results[kernels] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
+        assert calls == ([] if kernels == "triton" else ["fwd", "dkdv"] if key_major else ["dkdv"])
+    for name, want, got in zip(["out", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="^selected attention: kernels = 'cuda'; valid: 'triton', 'gluon_hopper'$"):
+        selected_attention(q, k, v, idx, BS, kernels="cuda")

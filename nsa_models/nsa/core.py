@@ -41,6 +41,21 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _gluon_import_error() -> str | None:
+    """Why the Gluon selected kernels (`gluon_selected`: triton.experimental.gluon and its Hopper ops) do not
+    import here, in one line, or None when they do."""
+    try:
+        importlib.import_module("nsa_models.nsa.gluon_selected")
+    except ImportError as error:
+        return (str(error).splitlines() or [type(error).__name__])[0]
+    return None
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of CUDA `device`, or None when no CUDA GPU is visible."""
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+
+
 def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> None:
     """Raise ValueError (one line naming the key and the fix) unless the backends `args` chooses can run on `device`
     with compute dtype `dtype`: no silent fallback to another one.
@@ -62,6 +77,18 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> No
         if choice == "flash_attn_4" and dtype != torch.bfloat16:
             raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
                              f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
+    if args.selected_kernels == "gluon_hopper":  # the shapes are ModelArgs.validate's
+        gluon, fix = "model.nsa.selected_kernels = 'gluon_hopper'", "set model.nsa.selected_kernels = 'triton'"
+        capability = _cuda_capability(device)
+        if capability is None or capability[0] != 9:
+            found = "no CUDA GPU here" if capability is None else "this one is {}.{}".format(*capability)
+            raise ValueError(f"{gluon} needs a CUDA GPU of capability 9.x (Hopper; {found}): {fix}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"{gluon} runs bf16 only: set training.mixed_precision = 'bf16' (or 'auto'), or {fix}")
+        why = _gluon_import_error()
+        if why is not None:
+            raise ValueError(f"{gluon} needs triton.experimental.gluon (triton 3.6 or newer), which does not import "
+                             f"here ({why}): {fix}")
 
 
 def nsa_attention(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,

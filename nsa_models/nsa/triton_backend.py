@@ -7,7 +7,8 @@ Same contract as `nsa_reference`. Branches:
   either also returns the log-sum-exp the selection needs;
 - selection scores and top-n: `triton_selection.select_topn` (custom op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
-- selected attention: `triton_selected.selected_attention` (custom op, deterministic backward);
+- selected attention: `triton_selected.selected_attention` (custom op, deterministic backward; with
+  `selected_kernels = "gluon_hopper"` its key-block-major forward and dK/dV kernels are `gluon_selected`'s);
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
   (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer); or, with `"fused_with_selected"`,
   in one sweep with the selected branch (`triton_selected_window.selected_window_attention`, shared K/V).
@@ -198,10 +199,12 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
         if args.selected_from_window and block_indices is chosen and k_win is k_slc and v_win is v_slc:
             window_rows = selected_is_window(q.shape[0], q.shape[1], args, q.device, doc_start, q_start)
             o_slc = selected_attention(q, k_slc, v_slc, chosen.masked_fill(window_rows[:, None, :, None], -1),
-                                       args.sel_block_size, scale, q_start)  # those rows: no work in the kernels
+                                       args.sel_block_size, scale, q_start,  # those rows: no work in the kernels
+                                       kernels=args.selected_kernels)
             o_slc = torch.where(window_rows[:, :, None, None], o_win, o_slc)
         else:
-            o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start)
+            o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start,
+                                       kernels=args.selected_kernels)
     g = gates.to(q.dtype).unsqueeze(-1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     return out, block_indices, entropy

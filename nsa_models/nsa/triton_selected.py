@@ -449,15 +449,31 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: i
                          "(the rows of a TMA box)")
 
 
+KERNELS = ("triton", "gluon_hopper")  # `selected_attention`'s kernels (model.nsa.selected_kernels)
+
+
+def _gluon(kernels: str, load: bool = True):
+    """The `gluon_selected` module when `kernels` chooses it (imported only then: CPU installs and the Triton
+    interpreter never load Gluon), else None; ValueError for an unknown choice."""
+    if kernels not in KERNELS:
+        raise ValueError(f"selected attention: kernels = {kernels!r}; valid: {', '.join(map(repr, KERNELS))}")
+    if kernels == "triton" or not load:
+        return None
+    from nsa_models.nsa import gluon_selected
+
+    return gluon_selected
+
+
 @torch.library.custom_op("nsa::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, items: Tensor,
                            query_slot: Tensor, seg_items: Tensor, tile_blocks: Tensor, tile_counts: Tensor,
                            tile_bits: Tensor, block_size: int, scale: float, q_start: int = 0,
-                           q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
+                           q_start_odd: int | None = None, kernels: str = "triton") -> tuple[Tensor, Tensor]:
     """Returns o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible key).
     items ... tile_bits: `work_lists(q, k, block_indices, block_size)`; q_start: the first query's position
-    (q_start_odd: in odd batch rows, if it differs)."""
+    (q_start_odd: in odd batch rows, if it differs); kernels: `selected_attention`'s."""
     q_starts = query_offsets(q_start, q_start_odd)
+    gluon = _gluon(kernels)
     q, k, v, block_indices = q.contiguous(), k.contiguous(), v.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
     n = block_indices.shape[3]
@@ -470,8 +486,11 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
         # (G = 3, 4 x 8k: 1.38 with 2, 1.48 with 3; 1 x 64k: 2.64, 2.90).
         item_args = _item_args(q, k, n, items, query_slot, block_size, q_starts, _ITEM_ROWS,
                                stages=3 if D > 64 else 2)
-        _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E,
-                                            num_warps=4, **item_args)
+        if gluon is None:
+            _fwd_item_kernel[(items.shape[1],)](q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E,
+                                                num_warps=4, **item_args)
+        else:  # the same arguments (and grid: one program per item); its own warps and pipeline
+            gluon.gluon_fwd_items(q, k, v, O_PART=o_part, LSE_PART=lse_part, qk_scale=scale * LOG2E, **item_args)
         _combine(o_part, lse_part, block_indices, o, lse)
     else:
         grid, tile = _tile_args(q, k, v, block_indices, tile_blocks, tile_counts, tile_bits, block_size, q_starts,
@@ -482,7 +501,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_indices: Tenso
 
 @selected_attention_fwd.register_fake
 def _(q, k, v, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits, block_size,
-      scale, q_start=0, q_start_odd=None):
+      scale, q_start=0, q_start_odd=None, kernels="triton"):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -574,10 +593,11 @@ def _combine(part: Tensor, lse_part: Tensor | None, block_indices: Tensor, out: 
 def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                            block_indices: Tensor, items: Tensor, query_slot: Tensor, seg_items: Tensor,
                            tile_blocks: Tensor, tile_counts: Tensor, tile_bits: Tensor, block_size: int,
-                           scale: float, q_start: int = 0,
-                           q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           scale: float, q_start: int = 0, q_start_odd: int | None = None,
+                           kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
     q_starts = query_offsets(q_start, q_start_odd)
+    gluon = _gluon(kernels)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse, delta, block_indices = lse.contiguous(), delta.contiguous(), block_indices.contiguous()
     B, T, HQ, D = q.shape
@@ -604,9 +624,12 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     # step on 4 warps fit without spilling and beat 128 rows on 8 (H200, G = 3, selected fwd+bwd: 1 x 32k 3.44 ->
     # 3.14 ms, 1 x 64k 6.73 -> 6.11; G = 1, 1 x 32k 4.62 -> 3.57). Without the term 4 warps stay faster despite
     # their smaller spill.
-    _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part,
-                                 qk_scale=scale * LOG2E, scale=scale, WITH_DQ=dq_terms,
-                                 num_warps=8 if dq_terms and D > 64 else 4, **item_args)
+    dkdv = dict(DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part, qk_scale=scale * LOG2E, scale=scale,
+                WITH_DQ=dq_terms, num_warps=8 if dq_terms and D > 64 else 4, **item_args)
+    if gluon is None:
+        _bwd_dkdv_kernel[(n_items,)](q, k, v, do, lse, delta, **dkdv)
+    else:  # the same arguments and grid; its own rows per step and warps (`gluon_selected.bwd_launch_shape`)
+        gluon.gluon_bwd_dkdv_items(q, k, v, do, lse, delta, **dkdv)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     H = item_args["H"]
     _bwd_reduce_kernel[(B * H * n_blocks,)](dk_part, dv_part, seg_items, dk, dv, k.shape[1], n_blocks, H=H, D=D,
@@ -618,39 +641,46 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
 
 @selected_attention_bwd.register_fake
 def _(do, q, k, v, lse, delta, block_indices, items, query_slot, seg_items, tile_blocks, tile_counts, tile_bits,
-      block_size, scale, q_start=0, q_start_odd=None):
+      block_size, scale, q_start=0, q_start_odd=None, kernels="triton"):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, block_size, scale, q_start, q_start_odd = inputs
+    *tensors, block_size, scale, q_start, q_start_odd, kernels = inputs
     o, lse = output
     ctx.save_for_backward(o, lse, *tensors)
     ctx.block_size, ctx.scale, ctx.q_start, ctx.q_start_odd = block_size, scale, q_start, q_start_odd
+    ctx.kernels = kernels
 
 
 def _backward(ctx, do, dlse):
     o, lse, q, k, v, block_indices, *lists = ctx.saved_tensors
     delta = triton_common.softmax_delta(o, do, dlse)
     dq, dk, dv = selected_attention_bwd(do, q, k, v, lse, delta, block_indices, *lists, ctx.block_size, ctx.scale,
-                                        ctx.q_start, ctx.q_start_odd)
-    return dq, dk, dv, *[None] * (len(lists) + 5)  # block_indices, the work lists, block_size, scale, the offsets
+                                        ctx.q_start, ctx.q_start_odd, ctx.kernels)
+    # block_indices, the work lists, block_size, scale, the offsets, kernels
+    return dq, dk, dv, *[None] * (len(lists) + 6)
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int,
-                       scale: float | None = None, q_start: int | tuple[int, int] = 0) -> Tensor:
+                       scale: float | None = None, q_start: int | tuple[int, int] = 0,
+                       kernels: str = "triton") -> Tensor:
     """NSA selected-branch output [B, T, HQ, D] of queries at positions q_start .. q_start + T - 1 of the keys
-    k, v [B, TK, H, D] (a pair: the even batch rows' and the odd ones'); scale defaults to 1 / sqrt(D)."""
+    k, v [B, TK, H, D] (a pair: the even batch rows' and the odd ones'); scale defaults to 1 / sqrt(D).
+    kernels (`model.nsa.selected_kernels`): "triton", or "gluon_hopper": the key-block-major forward's item kernel
+    and the backward's dK/dV kernel are `gluon_selected`'s (Hopper, bf16, head dim 64 or 128, blocks of 64 keys:
+    `check_backend` and `ModelArgs.validate` refuse the rest; a call outside them raises), all else the same."""
     q_starts = query_offsets(q_start)
     _check(q, k, v, block_indices, block_size, q_starts)
+    _gluon(kernels, load=False)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     block_indices = block_indices.contiguous()
     return selected_attention_fwd(q, k, v, block_indices, *work_lists(q, k, block_indices, block_size, backward),
-                                  block_size, scale, *q_starts)[0]
+                                  block_size, scale, *q_starts, kernels)[0]
 
 
 def work_lists(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int,
