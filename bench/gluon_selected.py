@@ -24,7 +24,12 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.attention import random_block_indices  # noqa: E402
-from nsa_models.nsa.gluon_selected import bwd_launch_shape, gluon_bwd_dkdv_items, gluon_fwd_items  # noqa: E402
+from nsa_models.nsa.gluon_selected import (  # noqa: E402
+    bwd_launch_shape,
+    gluon_bwd_dkdv_items,
+    gluon_fwd_items,
+    routes_dkdv,
+)
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
@@ -179,9 +184,11 @@ def time_bwd_shape(B: int, T: int, H: int, G: int, D: int, with_dq: bool) -> lis
     args = launch.args
     results = [(f"triton {args['BR']}r {launch.num_warps}w", triton.testing.do_bench(
         lambda: launch.run_triton(dk, dv, dq)), gflop)]
-    default = bwd_launch_shape(G, D)
+    default = bwd_launch_shape(G, D, with_dq)
     for rows, warps in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default]:
-        label = f"gluon {rows}r {warps}w" + (" (default)" if (rows, warps) == default else "")
+        # The default where the op launches it; where it keeps Triton's kernel (`routes_dkdv`), the best of Gluon's.
+        unrouted = " (not routed)" if not routes_dkdv(D, with_dq) else " (default)"
+        label = f"gluon {rows}r {warps}w" + (unrouted if (rows, warps) == default else "")
         ms = triton.testing.do_bench(lambda r=rows, w=warps: launch.run_gluon(dk, dv, dq, r, w))
         results.append((label, ms, gflop))
     return results
@@ -208,14 +215,14 @@ def bench_fwd() -> None:
 
 def bench_bwd() -> None:
     print("backward dK/dV kernel (speedup: against the Triton launch)")
-    print(f"{'shape':<18} {'G':>2} {'D':>4} {'dQ':>3} {'kernel':<26} {'ms':>8} {'speedup':>8} {'TF/s':>7}")
+    print(f"{'shape':<18} {'G':>2} {'D':>4} {'dQ':>3} {'kernel':<30} {'ms':>8} {'speedup':>8} {'TF/s':>7}")
     for with_dq in (True, False):
         for label, B, T, H, G, D in SHAPES:
             results = time_bwd_shape(B, T, H, G, D, with_dq)
             torch.cuda.empty_cache()
             ms_triton = results[0][1]
             for kernel, ms, gflop in results:
-                print(f"{label:<18} {G:>2} {D:>4} {'yes' if with_dq else 'no':>3} {kernel:<26} {ms:>8.3f} "
+                print(f"{label:<18} {G:>2} {D:>4} {'yes' if with_dq else 'no':>3} {kernel:<30} {ms:>8.3f} "
                       f"{ms_triton / ms:>7.2f}x {gflop / ms:>7.1f}")
 
 

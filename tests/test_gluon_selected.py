@@ -4,8 +4,8 @@ The forward (`_fwd_item_kernel`): the per-(row, slot) outputs and log-sum-exps c
 dK/dV kernel (`_bwd_dkdv_kernel`, with and without the dQ term, the Gluon one at each rows per step / warps it
 supports): the per-item dK / dV partial sums and the per-(row, slot) dQ terms, from the forward's lse and random dO.
 
-Model level: one nsa-125m block (the triton backend, bf16) with `model.nsa.selected_kernels = "gluon_hopper"`
-against "triton": logits and every parameter's gradient within 1e-2 relative error.
+Model level: one nsa-125m and one nsa-1b block (the triton backend, bf16) with `model.nsa.selected_kernels =
+"gluon_hopper"` against "triton": logits and every parameter's gradient within 1e-2 relative error.
 
 Both kernels write exactly the slots of chosen blocks (checked: NaN-filled buffers stay NaN elsewhere). Outputs
 within 1e-2 relative error (bf16 P and outputs, fp32 accumulation in both), lse within 1e-3 where finite and -inf in
@@ -105,9 +105,9 @@ def test_gluon_dkdv_matches_triton(B: int, T: int, H: int, G: int, D: int, q_sta
         assert err <= 1e-2, f"DQ_PART relative error {err:.2e}"
 
 
-def _model_run(kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and parameter gradients of one nsa-125m block (random init, seed 0) on `tokens`, in bf16."""
-    args = dataclasses.replace(get_flavor("nsa-125m"), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
+def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16."""
+    args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
     args.nsa = dataclasses.replace(args.nsa, backend="triton", selected_kernels=kernels)
     check_backend(args.nsa, tokens.device, torch.bfloat16)
     torch.manual_seed(0)
@@ -121,19 +121,22 @@ def _model_run(kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[s
     return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def test_model_block_with_gluon_selected_kernels_matches_triton(monkeypatch):
+@pytest.mark.parametrize("flavor, launched", [("nsa-125m", ["gluon_fwd_items"]),
+                                              ("nsa-1b", ["gluon_fwd_items", "gluon_bwd_dkdv_items"])])
+def test_model_block_with_gluon_selected_kernels_matches_triton(flavor: str, launched: list[str], monkeypatch):
     """selected_kernels = "gluon_hopper" end to end through the model: 2 x 4096 tokens (64 key blocks > 2n = 32 at
-    G = 3: the key-block-major layout), the Gluon forward and dK/dV kernels both launched."""
+    G = 3 and 4: the key-block-major layout), the Gluon forward launched, and the dK/dV kernel where it is routed
+    (head dim 128, not nsa-125m's 64 with the dQ term: `gluon_selected.routes_dkdv`)."""
     calls = []
     for name in ("gluon_fwd_items", "gluon_bwd_dkdv_items"):
         launch = getattr(gluon_selected, name)
         monkeypatch.setattr(gluon_selected, name,
                             lambda *a, _launch=launch, _name=name, **kw: (calls.append(_name), _launch(*a, **kw))[1])
     tokens = torch.randint(0, 512, (2, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    want_logits, want_grads = _model_run("triton", tokens)
+    want_logits, want_grads = _model_run(flavor, "triton", tokens)
     assert calls == []
-    got_logits, got_grads = _model_run("gluon_hopper", tokens)
-    assert calls == ["gluon_fwd_items", "gluon_bwd_dkdv_items"]
+    got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
+    assert calls == launched
     errors = {"logits": _rel_err(got_logits, want_logits)}
     errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items()}
     assert not any(x.isnan().any() for x in [got_logits, *got_grads.values()])

@@ -244,13 +244,17 @@ def test_head_rows_operand():
     assert head_rows_operand(x, 16, False) is x
 
 
-@pytest.mark.parametrize("T", [112, 64], ids=["key-major", "query-tiles"])
-def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, monkeypatch):
+@pytest.mark.parametrize("T, D, want", [(112, 16, ["fwd"]), (64, 16, []), (112, 128, ["fwd", "dkdv"]),
+                                         (64, 128, ["dkdv"])],
+                         ids=["key-major-D16", "query-tiles-D16", "key-major-D128", "query-tiles-D128"])
+def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, D: int, want: list[str],
+                                                                       monkeypatch):
     """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the key-block-major forward's item launch goes to
-    `gluon_selected.gluon_fwd_items` and every backward's dK/dV launch to `gluon_bwd_dkdv_items`, with the arguments
-    the Triton kernels get (the query-tile forward stays Triton's). Here (CPU) they are recording stand-ins that
-    launch the Triton kernels with exactly those arguments, so the outputs and gradients are the default path's,
-    bit for bit; the Gluon kernels themselves run in tests/test_gluon_selected.py (Hopper)."""
+    `gluon_selected.gluon_fwd_items`, and the backward's dK/dV launch to `gluon_bwd_dkdv_items` except with the
+    per-pair dQ term at head dim <= 64 (key-block-major, or query tiles at D <= 64), with the arguments the Triton
+    kernels get (the query-tile forward stays Triton's). Here (CPU) they are recording stand-ins that launch the
+    Triton kernels with exactly those arguments, so the outputs and gradients are the default path's, bit for bit;
+    the Gluon kernels themselves run in tests/test_gluon_selected.py (Hopper)."""
     from nsa_models.nsa import gluon_selected  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
@@ -265,7 +269,7 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, m
 
     monkeypatch.setattr(gluon_selected, "gluon_fwd_items", fwd_items)
     monkeypatch.setattr(gluon_selected, "gluon_bwd_dkdv_items", bwd_dkdv_items)
-    B, H, G, D, n = 1, 2, 2, 16, 3
+    B, H, G, n = 1, 2, 2, 3
     key_major = triton_selected._key_major(G, -(-T // BS), n)
     assert key_major == (T == 112)  # 7 key blocks > 2n; 4 blocks: query tiles
     gen = torch.Generator().manual_seed(T)
@@ -278,7 +282,7 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, m
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out = selected_attention(*leaves, idx, BS, D ** -0.5, kernels=kernels)
         results[kernels] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
-        assert calls == ([] if kernels == "triton" else ["fwd", "dkdv"] if key_major else ["dkdv"])
+        assert calls == ([] if kernels == "triton" else want)
     for name, want, got in zip(["out", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
     with pytest.raises(ValueError, match="^selected attention: kernels = 'cuda'; valid: 'triton', 'gluon_hopper'$"):

@@ -5,12 +5,14 @@ Forward: the same work as `triton_selected._fwd_item_kernel` (inputs, outputs an
 chosen block) pair), written so that what Triton's compiler would have to infer is stated: the item's key and value
 block sit in NVMMA-swizzled shared memory for the whole program, each step's gathered query rows arrive by cp.async
 into one of two shared buffers while the previous step computes, and both products run on warpgroup MMA (wgmma)
-with fp32 accumulators, the probabilities fed from registers. One warpgroup (4 warps) runs 64 rows a step.
+with fp32 accumulators, the probabilities fed from registers. One warpgroup (4 warps) runs 64 rows a step. The
+work list's entries (which rows a step gathers) are read a step before the gather that uses them: read just before
+it, their latency stalled every step, and this kernel ran at 0.82-0.97x Triton's instead of 1.2-1.4x.
 
 Backward (`_bwd_dkdv_kernel`, as `triton_selected._bwd_dkdv_kernel`): the same item structure with q and dO
 gathered double-buffered, the five products on wgmma (P^T and dS^T read transposed from shared memory), dK and dV
 accumulated in fp32 registers over the item, and with WITH_DQ each pair's dQ term stored per (row, slot). Rows per
-step and warps: `bwd_launch_shape`.
+step and warps: `bwd_launch_shape`; where it runs instead of Triton's: `routes_dkdv`.
 
 Supported: bf16 inputs, head dim 64 or 128, selection blocks of 64 keys, 64 rows a step for the forward
 (`gluon_fwd_items` / `gluon_bwd_dkdv_items` raise otherwise); the caller routes other shapes to the Triton kernels.
@@ -34,6 +36,10 @@ _BS = 64  # keys per selection block
 _BR = 64  # rows (queries x heads) per step
 _HEAD_DIMS = (64, 128)
 _BWD_ROWS = (64, 128)  # rows per step of the dK/dV kernel
+# The forward's registers per thread at head dim 64: 168 instead of ptxas's 194 (24 B spilled) fit 3 programs per
+# multiprocessor instead of 2. H200, bench/gluon_selected.py fwd, ms: nsa-125m 1 x 32k 0.753 -> 0.693, 2 x 8k
+# 0.389 -> 0.383; at D = 128 the cap lost (nsa-1b 2 x 8k 0.717 -> 0.878), so none there.
+_FWD_MAX_REGISTERS = {64: 168}
 
 
 @gluon.constexpr_function
@@ -51,16 +57,30 @@ def _mma_layout(n, num_warps):
 
 
 @gluon.jit
-def _step_rows(QSLOT, qs, end, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.constexpr,
-               BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
-    """As `triton_selected._item_rows`: row r of the step starting at entry qs is head r % G of the item's
-    (qs + r // G)-th (query, slot) entry. Returns which rows exist, their queries t, their rows of [B * T * HQ]
-    and the block's slot in the query's list; rows past `end` (or past QB * G) are not used."""
+def _step_entries(QSLOT, qs, end, G: gl.constexpr, BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
+    """Which rows of the step starting at entry qs exist, and their (query, slot) entries t * N_SEL + slot (int32):
+    row r of the step is head r % G of the item's (qs + r // G)-th entry; rows past `end` (or past QB * G) are not
+    used. What a step carries ahead of its use: half the registers of `_entry_rows`' 64-bit rows."""
     r = gl.arange(0, BR, layout=layout)
     ok = (r < QB * G) & (qs + r // G < end)
-    entry = gl.load(QSLOT + qs + r // G, mask=ok, other=0)  # t * N_SEL + slot
-    t = entry // N_SEL
-    return ok, t, (b * T + t) * (H * G) + h * G + r % G, entry % N_SEL
+    return ok, gl.load(QSLOT + qs + r // G, mask=ok, other=0)
+
+
+@gluon.jit
+def _entry_rows(entry, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.constexpr, BR: gl.constexpr,
+                layout: gl.constexpr):
+    """As `triton_selected._item_rows`: the rows of [B * T * HQ] of a step's entries (query t = entry // N_SEL,
+    the block's slot in its list entry % N_SEL)."""
+    r = gl.arange(0, BR, layout=layout)
+    return (b * T + entry // N_SEL) * (H * G) + h * G + r % G
+
+
+@gluon.jit
+def _step_rows(QSLOT, qs, end, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.constexpr,
+               BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
+    """`_step_entries` and `_entry_rows` at once: (exists, t, row of [B * T * HQ], slot) of each row of a step."""
+    ok, entry = _step_entries(QSLOT, qs, end, G, BR, QB, layout)
+    return ok, entry // N_SEL, _entry_rows(entry, b, h, T, N_SEL, H, G, BR, layout), entry % N_SEL
 
 
 @gluon.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
@@ -72,6 +92,7 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)  # per-row values of a gathered tile
     s_l: gl.constexpr = _mma_layout(BS, NUM_WARPS)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per-row values of S
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)  # bf16 P from registers
     tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, D], gl.bfloat16)
@@ -96,9 +117,16 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     kv_ok = (key < TK)[:, None]
     async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
     async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
-    ok, t, rows, slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+    ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
+    rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
+    # The next step's entries, read now: a step's gather is issued from entries loaded one step earlier, so the read
+    # of QSLOT never stalls the loop (its value is first used a whole step later).
+    n_ok, n_entry = _step_entries(QSLOT, start + QB, end, G, BR, QB, row_l)
+    # This step's rows in the accumulators' row layout (a second, cached read of QSLOT instead of a layout
+    # conversion through shared memory and its barriers): which exist, and the last key position each may see.
+    s_ok, s_entry = _step_entries(QSLOT, start, end, G, BR, QB, srow_l)
 
     pos = j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))
     buf = 0
@@ -109,32 +137,35 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        n_ok, n_t, n_rows, n_slot = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+        n_rows = _entry_rows(n_entry, b, h, T, N_SEL, H, G, BR, row_l)
         async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
                                                mask=n_ok[:, None])
         async_copy.commit_group()
-
         s = warpgroup_mma(q_smem.index(buf), k_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l),
                           use_acc=False, is_async=True)
-        seen = gl.convert_layout(q0 + t, gl.SliceLayout(1, s_l))  # the last key position each row may see
-        used = gl.convert_layout(ok, gl.SliceLayout(1, s_l))
+        # Entries two steps ahead and the next step's in S's row layout, loaded while the MMA runs.
+        nn_ok, nn_entry = _step_entries(QSLOT, qs + 2 * QB, end, G, BR, QB, row_l)
+        n_s_ok, n_s_entry = _step_entries(QSLOT, qs + QB, end, G, BR, QB, srow_l)
+        seen = q0 + s_entry // N_SEL  # the last key position each row may see
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        s = gl.where(used[:, None] & (pos[None, :] <= seen[:, None]), s * qk_scale, float("-inf"))  # log2 units
+        s = gl.where(s_ok[:, None] & (pos[None, :] <= seen[:, None]), s * qk_scale, float("-inf"))  # log2 units
         m = gl.max(s, 1)
         p = gl.exp2(s - gl.where(m == float("-inf"), 0.0, m)[:, None])  # a row that sees no key: all 0
         l = gl.sum(p, 1)
         o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_l), v_smem, gl.zeros([BR, D], gl.float32, o_l),
-                          use_acc=False)
-
-        # `triton_common.softmax_output`, then the natural-log lse back to log2 units, as the Triton kernel stores it.
+                          use_acc=False, is_async=True)
+        # `triton_common.softmax_output`, then the natural-log lse back to log2 units, as the Triton kernel stores it
+        # (computed while P V runs).
         l_safe = gl.where(l > 0, l, 1.0)
         lse = gl.where(l > 0, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")) * 1.4426950408889634
+        part = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + entry % N_SEL
+        gl.store(LSE_PART + part, gl.convert_layout(lse, row_l), mask=ok)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
-        part = rows * N_SEL + slot
         gl.store(O_PART + part[:, None] * D + d[None, :], gl.convert_layout(o.to(gl.bfloat16), rows_l),
                  mask=ok[:, None])
-        gl.store(LSE_PART + part, gl.convert_layout(lse, row_l), mask=ok)
-        ok, t, rows, slot = n_ok, n_t, n_rows, n_slot
+        ok, entry, n_ok, n_entry = n_ok, n_entry, nn_ok, nn_entry
+        s_ok, s_entry = n_s_ok, n_s_entry
         buf ^= 1
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
 
@@ -169,7 +200,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     kv_l: gl.constexpr = _acc_layout(BS, D, NUM_WARPS)  # dK, dV [BS, D]
     dq_l: gl.constexpr = _acc_layout(BR, D, NUM_WARPS)  # dQ [BR, D]
-    ds_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_l, k_width=2)
     tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, D], gl.bfloat16)
     block_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BS], gl.bfloat16)
@@ -195,15 +225,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     kv_ok = (key < TK)[:, None]
     async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
     async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
-    ok, t, rows, slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
-    dq_row = rows * N_SEL + slot  # the rows' (row, slot) pairs: rows of DQ_PART
+    ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
+    rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.async_copy_global_to_shared(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
+    # The next step's entries, read now, so that its gather never waits for QSLOT (as in the forward).
+    n_ok, n_entry = _step_entries(QSLOT, start + QB, end, G, BR, QB, row_l)
     # This step's rows again in the accumulators' row layout (a second, cached read of QSLOT instead of a layout
     # conversion through shared memory and its barriers): which exist, their query, lse (log2 units, as
     # `triton_common.load_rows`: 0 for rows that do not exist, whose P is masked to 0 anyway) and delta.
-    s_ok, s_t, s_rows, _ = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
+    s_ok, s_t, s_rows, s_slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
     seen = (q0 + s_t).to(gl.int32)  # the last key position each row may see (positions < 2^31)
     lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
     delta = gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
@@ -219,7 +251,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        n_ok, n_t, n_rows, n_slot = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, row_l)
+        n_rows = _entry_rows(n_entry, b, h, T, N_SEL, H, G, BR, row_l)
         async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
                                                mask=n_ok[:, None])
         async_copy.async_copy_global_to_shared(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
@@ -232,7 +264,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
                           is_async=True)
         dp = warpgroup_mma(do_buf, v_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l), use_acc=False,
                            is_async=True)
-        # The next step's per-row values, loaded while the MMAs run.
+        # Entries two steps ahead and the next step's per-row values, loaded while the MMAs run.
+        nn_ok, nn_entry = _step_entries(QSLOT, qs + 2 * QB, end, G, BR, QB, row_l)
         n_s_ok, n_s_t, n_s_rows, _ = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
         n_lse = gl.load(LSE + n_s_rows, mask=n_s_ok, other=0.0) * 1.4426950408889634
         n_delta = gl.load(DELTA + n_s_rows, mask=n_s_ok, other=0.0)
@@ -249,18 +282,21 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         ds_smem.store((p * (dp - delta[:, None])).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
         if WITH_DQ:
-            # dS as the A operand from registers, read back from its shared copy (no register shuffle).
-            dq = warpgroup_mma(ds_smem.load(ds_op_l), k_smem, gl.zeros([BR, D], gl.float32, dq_l),
-                               use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+            # dQ = dS k issued before dK += dS^T q, with dS as the A operand straight from its shared copy: the dQ
+            # term is converted and stored while dK's MMA runs.
+            dq = warpgroup_mma(ds_smem, k_smem, gl.zeros([BR, D], gl.float32, dq_l), use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
             # Stored from the gather layout: 16-byte stores, four addresses a thread.
+            dq_row = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + entry % N_SEL  # (row, slot)
             gl.store(DQ_PART + dq_row[:, None] * D + d[None, :],
                      gl.convert_layout((dq * scale).to(DQ_PART.dtype.element_ty), rows_l), mask=ok[:, None])
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
         else:
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        ok, dq_row = n_ok, n_rows * N_SEL + n_slot
+        ok, entry, n_ok, n_entry = n_ok, n_entry, nn_ok, nn_entry
         s_ok, seen, lse, delta = n_s_ok, (q0 + n_s_t).to(gl.int32), n_lse, n_delta
         buf ^= 1
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
@@ -297,18 +333,27 @@ def gluon_fwd_items(q: Tensor, k: Tensor, v: Tensor, *, O_PART: Tensor, LSE_PART
                          f"and {_BR} rows a step; got {q.dtype}, D = {D}, BS = {BS}, BR = {BR}")
     _fwd_item_kernel[(ITEM_SEG.shape[0],)](q, k, v, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK,
                                            Q0, Q0_ODD, N_BLK, qk_scale, N_SEL=N_SEL, H=H, G=G, D=D, BS=BS, BR=BR,
-                                           QB=QB, NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS)
+                                           QB=QB, NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS,
+                                           maxnreg=_FWD_MAX_REGISTERS.get(D))
 
 
-def bwd_launch_shape(G: int, D: int) -> tuple[int, int]:
-    """(rows per step, warps) of the Gluon dK/dV kernel by default, whatever the Triton launch's: 64 rows (or the
-    next power of two of G, at G > 64); 4 warps at D = 64 (as Triton's launch), 8 at D = 128. ptxas spill stores
-    compiled for sm_90 (tests/gluon_compile.py, nsa-125m / nsa-1b's heads, with / without the dQ term): D = 64, 64
-    rows on 4 warps 20 / 0 B (on 8 warps none, 176 / 137 registers); D = 128, 64 rows on 4 warps 548 / 120 B, on
-    8 warps none (206 / 174 registers), 128 rows on 8 warps (Triton's launch with the dQ term) 8 / 0 B, and with
-    the dQ term 224 KB of shared memory. Untimed: the bench sweeps the alternatives (`rows` / `warps` of
-    `gluon_bwd_dkdv_items`)."""
-    return max(_BR, 1 << max(0, G - 1).bit_length()), 8 if D > 64 else 4
+def routes_dkdv(D: int, with_dq: bool) -> bool:
+    """Whether `selected_attention_bwd` launches this dK/dV kernel instead of Triton's: everywhere but head dim 64
+    with the dQ term (nsa-125m's key-block-major backward), where it is slower. H200, bench/gluon_selected.py bwd,
+    ms Triton -> Gluon: D = 64 with the term 2 x 8k 0.540 -> 0.559, 1 x 32k 1.056 -> 1.130 (the other launch
+    shapes slower still); D = 128 with it 1.285 -> 1.184, 2.668 -> 2.494; without it D = 64 0.512 -> 0.333,
+    D = 128 0.963 -> 0.670."""
+    return D > 64 or not with_dq
+
+
+def bwd_launch_shape(G: int, D: int, with_dq: bool) -> tuple[int, int]:
+    """(rows per step, warps) of the Gluon dK/dV kernel by default, whatever the Triton launch's: the fastest of
+    64 rows on 4 warps, 64 on 8 and 128 on 8 in bench/gluon_selected.py (H200, nsa-125m's and nsa-1b's heads at
+    2 x 8k and 1 x 32k), at least the next power of two of G. D = 64: 64 rows, 4 warps (without the dQ term 0.333
+    ms against 0.344 / 0.379 at 2 x 8k). D = 128: with the term 64 rows on 8 warps (1.184 against 1.188 for 128
+    rows; 4 warps spill 476 B and take twice as long); without it 128 rows on 8 warps (0.670 against 0.746)."""
+    rows = 128 if D > 64 and not with_dq else _BR
+    return max(rows, 1 << max(0, G - 1).bit_length()), 8 if D > 64 else 4
 
 
 def gluon_bwd_dkdv_items(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, *, DK_PART: Tensor,
@@ -324,7 +369,7 @@ def gluon_bwd_dkdv_items(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tenso
     pipeline is explicit) of the Triton launch are not used. BD must equal D. lse is the natural-log lse
     [B, T, HQ], delta fp32 [B, T, HQ], as there. On 8 warps with 128 rows each warpgroup takes 64 rows of a step;
     with 64 the two warpgroups split the columns of S / dP, dK / dV and dQ."""
-    default_rows, default_warps = bwd_launch_shape(G, D)
+    default_rows, default_warps = bwd_launch_shape(G, D, WITH_DQ)
     rows, warps = rows or default_rows, warps or default_warps
     if not supported(q, k, v, BS, rows, do) or BD != D or warps not in (4, 8) or rows < G:
         raise ValueError(f"gluon_bwd_dkdv_items: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS}, {_BS}-key "
