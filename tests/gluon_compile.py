@@ -125,7 +125,9 @@ def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], arg
     allocator gives them and `gluon_fwd_items` requires: the 16-byte cp.async copies need the launcher's
     divisibility hint)."""
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    if options.get("maxnreg") is None:
+        options.pop("maxnreg", None)
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
