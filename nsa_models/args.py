@@ -84,7 +84,9 @@ class NSAArgs:
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The dK/dV kernel runs where it is the
     faster one: not at head dim 64 with the per-pair dQ term (nsa-125m), which keeps Triton's
-    (`gluon_selected.routes_dkdv`). The Triton kernels stay the portable path. Measured effect: @@EFFECT@@"""
+    (`gluon_selected.routes_dkdv`). The Triton kernels stay the portable path. Measured effect
+    (docs/PERFORMANCE.md): nsa-125m +2.8% tokens/s at 8k on 4 x H200 (its forward item kernel 1.38x), none at 2k,
+    where no Gluon kernel runs."""
     query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
     window_only: bool = False
