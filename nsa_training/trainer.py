@@ -95,6 +95,7 @@ def attention_line(model: ModelArgs) -> str:
     if nsa.backend == "reference":  # one vectorised PyTorch implementation of every branch
         return "attention: nsa, backend reference"
     return (f"attention: nsa, backend {nsa.backend} (window {nsa.window_backend}, compressed {nsa.cmp_backend}"
+            + (f", selected {nsa.selected_kernels}" if nsa.selected_kernels != "triton" else "")
             + (", float atomics" if nsa.float_atomics else "") + ")")
 
 

@@ -134,6 +134,9 @@ def test_the_start_names_the_attention_kernels():
     model.nsa.backend, model.nsa.window_backend, model.nsa.float_atomics = "triton", "flash_attn_4", True
     assert attention_line(model) == "attention: nsa, backend triton (window flash_attn_4, compressed triton, " \
                                     "float atomics)"
+    model.nsa.selected_kernels = "gluon_hopper"
+    assert attention_line(model) == "attention: nsa, backend triton (window flash_attn_4, compressed triton, " \
+                                    "selected gluon_hopper, float atomics)"
     assert attention_line(get_flavor("dense-125m")) == "attention: dense"
 
 
