@@ -4,6 +4,7 @@
     python bench/attention.py --seq-lens 8192 --groups
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
     python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
+    python bench/attention.py --selected-kernels gluon_hopper   # the selected branch's Gluon kernels (Hopper)
     python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's:
                                 # wall clock, GPU kernel time, and the fwd+bwd replayed as one CUDA graph
     python bench/attention.py --core-only --documents 1 16 --seq-lens 8192 65536   # what document masking costs
@@ -146,8 +147,9 @@ def selected_functions(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Callable[[]
     B, T, HQ, _ = q.shape
     H, block = k.shape[2], NSA.sel_block_size
     idx = random_block_indices(B, H, T, NSA.n_selected, block, q.device)
-    functions = {"selected (triton)": lambda: selected_attention(q, k, v, idx, block),
-                 "selected (triton), compiled": lambda: compiled_selected(q, k, v, idx, block)}
+    kernels = NSA.selected_kernels
+    functions = {f"selected ({kernels})": lambda: selected_attention(q, k, v, idx, block, kernels=kernels),
+                 f"selected ({kernels}), compiled": lambda: compiled_selected(q, k, v, idx, block, kernels=kernels)}
     if importlib.util.find_spec("fla") is not None and HQ // H >= 16:
         from fla.ops.nsa.parallel import ParallelNSAFunction
 
@@ -159,7 +161,8 @@ def selected_functions(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Callable[[]
 
 
 def _separate_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: BlockMask | None) -> Tensor:
-    return selected_attention(q, k, v, idx, NSA.sel_block_size) + window_attention(q, k, v, FLEX_WINDOW, mask)
+    return (selected_attention(q, k, v, idx, NSA.sel_block_size, kernels=NSA.selected_kernels)
+            + window_attention(q, k, v, FLEX_WINDOW, mask))
 
 
 def _fused_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
@@ -349,7 +352,10 @@ def kernel_resources() -> str:
     return "\n".join(lines) + "\n"
 
 
-SELECTED_NAMES = ["selected (triton)", "selected (triton), compiled", "fla selected (ParallelNSAFunction)"]
+def selected_names() -> list[str]:
+    """The --selected table's columns: `selected_functions`' names for this run's selected kernels."""
+    kernels = NSA.selected_kernels
+    return [f"selected ({kernels})", f"selected ({kernels}), compiled", "fla selected (ParallelNSAFunction)"]
 
 
 def _ms(x: float | str) -> str:
@@ -380,6 +386,8 @@ def main() -> None:
                         help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
     parser.add_argument("--cmp-backend", choices=["triton", "flash_attn_4"], default="triton",
                         help="the NSA core's compressed-attention kernels (model.nsa.cmp_backend)")
+    parser.add_argument("--selected-kernels", choices=["triton", "gluon_hopper"], default="triton",
+                        help="the selected branch's kernels (model.nsa.selected_kernels; gluon_hopper: Hopper, bf16)")
     parser.add_argument("--float-atomics", action="store_true",
                         help="the FA4 backwards with float atomics (model.nsa.float_atomics; FA4 window or "
                              "compressed branch only)")
@@ -402,26 +410,28 @@ def main() -> None:
     HQ, H, D = args.heads, args.kv_heads, args.head_dim
     # before the core compiles
     NSA.window_backend, NSA.cmp_backend, NSA.float_atomics = args.window_backend, args.cmp_backend, args.float_atomics
+    NSA.selected_kernels = args.selected_kernels
     try:  # the recipe's rules for these keys (--float-atomics needs an atomic backward) and their packages
-        ModelArgs(nsa=NSA).validate()
+        ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA).validate()
         check_backend(NSA, torch.device("cuda"), torch.bfloat16)
     except ValueError as e:
-        parser.error(f"{e} (--window-backend, --cmp-backend, --float-atomics)")
+        parser.error(f"{e} (--window-backend, --cmp-backend, --selected-kernels, --float-atomics)")
     fla = importlib.util.find_spec("fla")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, fla "
           f"{'not installed' if fla is None else __import__('fla').__version__}; B={args.batch} HQ={HQ} H={H} "
-          f"D={D} bf16, window {args.window_backend}, compressed {args.cmp_backend}"
+          f"D={D} bf16, window {args.window_backend}, compressed {args.cmp_backend}, selected {args.selected_kernels}"
           f"{', float atomics' if args.float_atomics else ''}, ms",
           flush=True)
     if args.selected:  # per T and function: wall-clock fwd / fwd+bwd, its GPU kernel time, and as a CUDA graph
-        columns = " | ".join(f"{name}: fwd / fwd+bwd / kernels / graph" for name in SELECTED_NAMES)
-        print(f"\n| T | {columns} |\n|---|" + "---|" * len(SELECTED_NAMES))
+        names = selected_names()
+        columns = " | ".join(f"{name}: fwd / fwd+bwd / kernels / graph" for name in names)
+        print(f"\n| T | {columns} |\n|---|" + "---|" * len(names))
         for T in args.seq_lens:
             q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
             times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]), cuda_graph_ms(fn, [q, k, v]))
                      for name, fn in selected_functions(q, k, v).items()}
             print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 4))
-                                          for name in SELECTED_NAMES) + " |", flush=True)
+                                          for name in names) + " |", flush=True)
         return
     if args.fused:  # per T: the two branches separately and fused, fwd / fwd+bwd, and fused over separate
         print("\n| T | separate: fwd / fwd+bwd | fused: fwd / fwd+bwd | fused / separate (fwd+bwd) |\n"
