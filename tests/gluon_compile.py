@@ -62,6 +62,25 @@ PTX_COUNTS = {  # what the kernel is meant to be made of
 }
 
 
+def record(kernel_name: str, launch) -> tuple[tuple, dict]:
+    """The positional and keyword arguments `launch()` gives `gluon_selected.<kernel_name>`, recorded instead of
+    run."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((a, kw))
+
+    kernel = getattr(gluon_selected, kernel_name)
+    setattr(gluon_selected, kernel_name, Recorder())
+    try:
+        launch()
+    finally:
+        setattr(gluon_selected, kernel_name, kernel)
+    (recorded,) = launches
+    return recorded
+
+
 def recorded_launch(H: int, G: int, D: int, T: int) -> tuple[tuple, dict]:
     """The positional and keyword arguments `gluon_fwd_items` gives the kernel for bf16 CPU tensors of this shape."""
     q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
@@ -69,20 +88,8 @@ def recorded_launch(H: int, G: int, D: int, T: int) -> tuple[tuple, dict]:
     idx = random_block_indices(1, H, T, N_SEL, BS, "cpu")
     items, query_slot, _ = reverse_index(idx, BS, T)
     args = _item_args(q, k, N_SEL, items, query_slot, BS, (0, 0), _ITEM_ROWS, stages=2)
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((a, kw))
-
-    kernel = gluon_selected._fwd_item_kernel
-    gluon_selected._fwd_item_kernel = Recorder()
-    try:
-        gluon_selected.gluon_fwd_items(q, k, v, O_PART=q, LSE_PART=q.float(), qk_scale=D**-0.5 * LOG2E, **args)
-    finally:
-        gluon_selected._fwd_item_kernel = kernel
-    (launch,) = launches
-    return launch
+    return record("_fwd_item_kernel", lambda: gluon_selected.gluon_fwd_items(
+        q, k, v, O_PART=q, LSE_PART=q.float(), qk_scale=D**-0.5 * LOG2E, **args))
 
 
 def recorded_bwd_launch(H: int, G: int, D: int, T: int, with_dq: bool, rows: int | None = None,
@@ -101,19 +108,8 @@ def recorded_bwd_launch(H: int, G: int, D: int, T: int, with_dq: bool, rows: int
     dq_part = q.new_zeros(1, T, H * G, N_SEL, D) if with_dq else dk_part
     outputs = dict(DK_PART=dk_part, DV_PART=dk_part, DQ_PART=dq_part, qk_scale=D**-0.5 * LOG2E, scale=D**-0.5,
                    WITH_DQ=with_dq, num_warps=8 if with_dq and D > 64 else 4)
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((a, kw))
-
-    kernel = gluon_selected._bwd_dkdv_kernel
-    gluon_selected._bwd_dkdv_kernel = Recorder()
-    try:
-        gluon_selected.gluon_bwd_dkdv_items(q, k, v, do, lse, delta, **outputs, **args, rows=rows, warps=warps)
-    finally:
-        gluon_selected._bwd_dkdv_kernel = kernel
-    ((launch_args, launch_kwargs),) = launches
+    launch_args, launch_kwargs = record("_bwd_dkdv_kernel", lambda: gluon_selected.gluon_bwd_dkdv_items(
+        q, k, v, do, lse, delta, **outputs, **args, rows=rows, warps=warps))
     constexprs = ("N_SEL", "H", "G", "D", "BS", "BR", "QB", "BD", "PRECISION", "WITH_DQ", "num_warps", "num_stages")
     triton_kwargs = {key: value for key, value in (outputs | args).items() if key in constexprs}
     return launch_args, launch_kwargs, triton_kwargs

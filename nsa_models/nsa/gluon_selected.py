@@ -83,6 +83,30 @@ def _step_rows(QSLOT, qs, end, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G:
     return ok, entry // N_SEL, _entry_rows(entry, b, h, T, N_SEL, H, G, BR, layout), entry % N_SEL
 
 
+@gluon.jit
+def _work_item(ITEM_SEG, ITEM_START, ITEM_END, Q0, Q0_ODD, N_BLK, H: gl.constexpr):
+    """This program's work item (grid: the reverse index's items), as `triton_selected._item_block`: its entries
+    [start, end) in the reverse index, batch b, KV head h, key block j, and the first query's position in row b."""
+    item = gl.program_id(0).to(gl.int64)
+    seg = gl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
+    start = gl.load(ITEM_START + item)
+    end = gl.load(ITEM_END + item)
+    bh, j = seg // N_BLK, seg % N_BLK
+    b, h = bh // H, bh % H
+    return item, start, end, b, h, j, Q0 + (b % 2) * (Q0_ODD - Q0)  # `triton_common.row_offset`
+
+
+@gluon.jit
+def _block_rows(K, V, k_buf, v_buf, blk, b, h, TK, u, d, H: gl.constexpr, D: gl.constexpr, BS: gl.constexpr):
+    """Gather key block `blk` of KV head h of batch b (K and V rows, u: the block's row lanes) into shared buffers
+    by cp.async; keys past TK read as zeros, as the Triton kernels' masked loads."""
+    key = blk * BS + u
+    kv = ((b * TK + key) * H + h) * D
+    ok = (key < TK)[:, None]
+    async_copy.async_copy_global_to_shared(k_buf, K + kv[:, None] + d[None, :], mask=ok)
+    async_copy.async_copy_global_to_shared(v_buf, V + kv[:, None] + d[None, :], mask=ok)
+
+
 @gluon.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
 def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK, Q0, Q0_ODD, N_BLK,
                      qk_scale, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
@@ -98,13 +122,7 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, D], gl.bfloat16)
     block_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.bfloat16)
 
-    item = gl.program_id(0).to(gl.int64)
-    seg = gl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
-    start = gl.load(ITEM_START + item)
-    end = gl.load(ITEM_END + item)
-    bh, j = seg // N_BLK, seg % N_BLK
-    b, h = bh // H, bh % H
-    q0 = Q0 + (b % 2) * (Q0_ODD - Q0)  # `triton_common.row_offset`
+    item, start, end, b, h, j, q0 = _work_item(ITEM_SEG, ITEM_START, ITEM_END, Q0, Q0_ODD, N_BLK, H)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
 
     # The key and value block (rows past TK read as zeros, as the Triton kernel's masked loads), loaded once, and
@@ -112,11 +130,7 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], block_sl)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], block_sl)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, D], tile_sl)
-    key = j * BS + gl.arange(0, BS, layout=row_l)
-    kv = ((b * TK + key) * H + h) * D
-    kv_ok = (key < TK)[:, None]
-    async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
-    async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
+    _block_rows(K, V, k_smem, v_smem, j, b, h, TK, gl.arange(0, BS, layout=row_l), d, H, D, BS)
     ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
     rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
@@ -204,13 +218,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     block_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BS], gl.bfloat16)
 
-    item = gl.program_id(0).to(gl.int64)
-    seg = gl.load(ITEM_SEG + item)  # (batch * H + head) * N_BLK + key block
-    start = gl.load(ITEM_START + item)
-    end = gl.load(ITEM_END + item)
-    bh, j = seg // N_BLK, seg % N_BLK
-    b, h = bh // H, bh % H
-    q0 = Q0 + (b % 2) * (Q0_ODD - Q0)  # `triton_common.row_offset`
+    item, start, end, b, h, j, q0 = _work_item(ITEM_SEG, ITEM_START, ITEM_END, Q0, Q0_ODD, N_BLK, H)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
 
     # The key and value block (rows past TK zero-filled) and the first step's q and dO rows: one cp.async group.
@@ -220,11 +228,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, D], tile_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BS], p_sl)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BS], p_sl)
-    key = j * BS + gl.arange(0, BS, layout=row_l)
-    kv = ((b * TK + key) * H + h) * D
-    kv_ok = (key < TK)[:, None]
-    async_copy.async_copy_global_to_shared(k_smem, K + kv[:, None] + d[None, :], mask=kv_ok)
-    async_copy.async_copy_global_to_shared(v_smem, V + kv[:, None] + d[None, :], mask=kv_ok)
+    _block_rows(K, V, k_smem, v_smem, j, b, h, TK, gl.arange(0, BS, layout=row_l), d, H, D, BS)
     ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
     rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
