@@ -57,13 +57,26 @@ def _mma_layout(n, num_warps):
 
 
 @gluon.jit
+def _step_ok(qs, end, G: gl.constexpr, BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
+    """Which rows of the step starting at entry qs exist (see `_step_entries`): computed, never carried."""
+    r = gl.arange(0, BR, layout=layout)
+    return (r < QB * G) & (qs + r // G < end)
+
+
+@gluon.jit
 def _step_entries(QSLOT, qs, end, G: gl.constexpr, BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
     """Which rows of the step starting at entry qs exist, and their (query, slot) entries t * N_SEL + slot (int32):
     row r of the step is head r % G of the item's (qs + r // G)-th entry; rows past `end` (or past QB * G) are not
     used. What a step carries ahead of its use: half the registers of `_entry_rows`' 64-bit rows."""
-    r = gl.arange(0, BR, layout=layout)
-    ok = (r < QB * G) & (qs + r // G < end)
-    return ok, gl.load(QSLOT + qs + r // G, mask=ok, other=0)
+    ok = _step_ok(qs, end, G, BR, QB, layout)
+    return ok, gl.load(QSLOT + qs + gl.arange(0, BR, layout=layout) // G, mask=ok, other=0)
+
+
+@gluon.jit
+def _entries(QSLOT, qs, end, G: gl.constexpr, BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
+    """`_step_entries`' entries alone (0 for rows that do not exist)."""
+    ok, entry = _step_entries(QSLOT, qs, end, G, BR, QB, layout)
+    return entry
 
 
 @gluon.jit
@@ -210,6 +223,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     positions are 32-bit (keys < 2^31), row offsets 64-bit as in the Triton kernel."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    # Entries carried from one step to the next in one register a thread (the gather layout replicates each row's
+    # across a row's lanes: four registers a thread at D = 64), converted where they are used.
+    ent_l: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     s_l: gl.constexpr = _acc_layout(BR, BS, NUM_WARPS)  # S, dP, P, dS [BR, BS]
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     kv_l: gl.constexpr = _acc_layout(BS, D, NUM_WARPS)  # dK, dV [BS, D]
@@ -234,15 +250,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.async_copy_global_to_shared(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
+    entry = gl.convert_layout(entry, ent_l)
     # The next step's entries, read now, so that its gather never waits for QSLOT (as in the forward).
-    n_ok, n_entry = _step_entries(QSLOT, start + QB, end, G, BR, QB, row_l)
-    # This step's rows again in the accumulators' row layout (a second, cached read of QSLOT instead of a layout
-    # conversion through shared memory and its barriers): which exist, their query, lse (log2 units, as
-    # `triton_common.load_rows`: 0 for rows that do not exist, whose P is masked to 0 anyway) and delta.
-    s_ok, s_t, s_rows, s_slot = _step_rows(QSLOT, start, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
-    seen = (q0 + s_t).to(gl.int32)  # the last key position each row may see (positions < 2^31)
-    lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
-    delta = gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
+    n_entry = _entries(QSLOT, start + QB, end, G, BR, QB, ent_l)
 
     pos = (j * BS).to(gl.int32) + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))  # key positions (< 2^31)
     dk = gl.zeros([BS, D], gl.float32, kv_l)
@@ -255,7 +265,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        n_rows = _entry_rows(n_entry, b, h, T, N_SEL, H, G, BR, row_l)
+        n_ok = _step_ok(qs + QB, end, G, BR, QB, row_l)
+        n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
         async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
                                                mask=n_ok[:, None])
         async_copy.async_copy_global_to_shared(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
@@ -268,11 +279,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
                           is_async=True)
         dp = warpgroup_mma(do_buf, v_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l), use_acc=False,
                            is_async=True)
-        # Entries two steps ahead and the next step's per-row values, loaded while the MMAs run.
-        nn_ok, nn_entry = _step_entries(QSLOT, qs + 2 * QB, end, G, BR, QB, row_l)
-        n_s_ok, n_s_t, n_s_rows, _ = _step_rows(QSLOT, qs + QB, end, b, h, T, N_SEL, H, G, BR, QB, srow_l)
-        n_lse = gl.load(LSE + n_s_rows, mask=n_s_ok, other=0.0) * 1.4426950408889634
-        n_delta = gl.load(DELTA + n_s_rows, mask=n_s_ok, other=0.0)
+        # Entries two steps ahead, and this step's rows in the accumulators' row layout: which exist, the last key
+        # position each may see (positions < 2^31), lse (log2 units, as `triton_common.load_rows`: 0 for rows that
+        # do not exist, whose P is masked to 0 anyway) and delta, loaded while the MMAs run.
+        nn_entry = _entries(QSLOT, qs + 2 * QB, end, G, BR, QB, ent_l)
+        s_ok = _step_ok(qs, end, G, BR, QB, srow_l)
+        s_entry = gl.convert_layout(entry, srow_l)
+        s_rows = _entry_rows(s_entry, b, h, T, N_SEL, H, G, BR, srow_l)
+        seen = (q0 + s_entry // N_SEL).to(gl.int32)
+        lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
+        delta = gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
         # P as soon as S is done (dP still running), and P^T dO issued as soon as P is in shared memory, so that
         # the tensor cores run it while dS is computed.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
@@ -293,15 +309,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
             dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
             # Stored from the gather layout: 16-byte stores, four addresses a thread.
-            dq_row = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + entry % N_SEL  # (row, slot)
+            ok = _step_ok(qs, end, G, BR, QB, row_l)
+            row_entry = gl.convert_layout(entry, row_l)
+            dq_row = _entry_rows(row_entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + row_entry % N_SEL
             gl.store(DQ_PART + dq_row[:, None] * D + d[None, :],
                      gl.convert_layout((dq * scale).to(DQ_PART.dtype.element_ty), rows_l), mask=ok[:, None])
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
         else:
             dk = warpgroup_mma(ds_smem.permute((1, 0)), q_buf, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        ok, entry, n_ok, n_entry = n_ok, n_entry, nn_ok, nn_entry
-        s_ok, seen, lse, delta = n_s_ok, (q0 + n_s_t).to(gl.int32), n_lse, n_delta
+        entry, n_entry = n_entry, nn_entry
         buf ^= 1
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
 
