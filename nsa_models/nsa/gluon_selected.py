@@ -130,6 +130,9 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)  # per-row values of a gathered tile
     s_l: gl.constexpr = _mma_layout(BS, NUM_WARPS)
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per-row values of S
+    # Entries carried from one step to the next in one register a thread (the gather layout replicates each row's
+    # across a row's lanes), converted where they are used.
+    ent_l: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)  # bf16 P from registers
     tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, D], gl.bfloat16)
@@ -148,12 +151,10 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
     async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
+    entry = gl.convert_layout(entry, ent_l)
     # The next step's entries, read now: a step's gather is issued from entries loaded one step earlier, so the read
     # of QSLOT never stalls the loop (its value is first used a whole step later).
-    n_ok, n_entry = _step_entries(QSLOT, start + QB, end, G, BR, QB, row_l)
-    # This step's rows in the accumulators' row layout (a second, cached read of QSLOT instead of a layout
-    # conversion through shared memory and its barriers): which exist, and the last key position each may see.
-    s_ok, s_entry = _step_entries(QSLOT, start, end, G, BR, QB, srow_l)
+    n_entry = _entries(QSLOT, start + QB, end, G, BR, QB, ent_l)
 
     pos = j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, s_l))
     buf = 0
@@ -164,16 +165,17 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        n_rows = _entry_rows(n_entry, b, h, T, N_SEL, H, G, BR, row_l)
+        n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
         async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
-                                               mask=n_ok[:, None])
+                                               mask=_step_ok(qs + QB, end, G, BR, QB, row_l)[:, None])
         async_copy.commit_group()
         s = warpgroup_mma(q_smem.index(buf), k_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l),
                           use_acc=False, is_async=True)
-        # Entries two steps ahead and the next step's in S's row layout, loaded while the MMA runs.
-        nn_ok, nn_entry = _step_entries(QSLOT, qs + 2 * QB, end, G, BR, QB, row_l)
-        n_s_ok, n_s_entry = _step_entries(QSLOT, qs + QB, end, G, BR, QB, srow_l)
-        seen = q0 + s_entry // N_SEL  # the last key position each row may see
+        # Entries two steps ahead, loaded while the MMA runs; this step's rows in S's row layout: which exist, and
+        # the last key position each may see.
+        nn_entry = _entries(QSLOT, qs + 2 * QB, end, G, BR, QB, ent_l)
+        s_ok = _step_ok(qs, end, G, BR, QB, srow_l)
+        seen = q0 + gl.convert_layout(entry, srow_l) // N_SEL
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         s = gl.where(s_ok[:, None] & (pos[None, :] <= seen[:, None]), s * qk_scale, float("-inf"))  # log2 units
         m = gl.max(s, 1)
@@ -185,14 +187,15 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         # (computed while P V runs).
         l_safe = gl.where(l > 0, l, 1.0)
         lse = gl.where(l > 0, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")) * 1.4426950408889634
-        part = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + entry % N_SEL
+        ok = _step_ok(qs, end, G, BR, QB, row_l)
+        row_entry = gl.convert_layout(entry, row_l)
+        part = _entry_rows(row_entry, b, h, T, N_SEL, H, G, BR, row_l) * N_SEL + row_entry % N_SEL
         gl.store(LSE_PART + part, gl.convert_layout(lse, row_l), mask=ok)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
         gl.store(O_PART + part[:, None] * D + d[None, :], gl.convert_layout(o.to(gl.bfloat16), rows_l),
                  mask=ok[:, None])
-        ok, entry, n_ok, n_entry = n_ok, n_entry, nn_ok, nn_entry
-        s_ok, s_entry = n_s_ok, n_s_entry
+        entry, n_entry = n_entry, nn_entry
         buf ^= 1
     async_copy.wait_group(0)  # the last, empty gather (or, for an item past the real count, the first group)
 
