@@ -28,7 +28,6 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     bwd_launch_shape,
     gluon_bwd_dkdv_items,
     gluon_fwd_items,
-    routes_dkdv,
 )
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
@@ -186,9 +185,7 @@ def time_bwd_shape(B: int, T: int, H: int, G: int, D: int, with_dq: bool) -> lis
         lambda: launch.run_triton(dk, dv, dq)), gflop)]
     default = bwd_launch_shape(G, D, with_dq)
     for rows, warps in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default]:
-        # The default where the op launches it; where it keeps Triton's kernel (`routes_dkdv`), the best of Gluon's.
-        unrouted = " (not routed)" if not routes_dkdv(D, with_dq) else " (default)"
-        label = f"gluon {rows}r {warps}w" + (unrouted if (rows, warps) == default else "")
+        label = f"gluon {rows}r {warps}w" + (" (default)" if (rows, warps) == default else "")
         ms = triton.testing.do_bench(lambda r=rows, w=warps: launch.run_gluon(dk, dv, dq, r, w))
         results.append((label, ms, gflop))
     return results

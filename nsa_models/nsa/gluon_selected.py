@@ -12,7 +12,7 @@ it, their latency stalled every step, and this kernel ran at 0.82-0.97x Triton's
 Backward (`_bwd_dkdv_kernel`, as `triton_selected._bwd_dkdv_kernel`): the same item structure with q and dO
 gathered double-buffered, the five products on wgmma (P^T and dS^T read transposed from shared memory), dK and dV
 accumulated in fp32 registers over the item, and with WITH_DQ each pair's dQ term stored per (row, slot). Rows per
-step and warps: `bwd_launch_shape`; where it runs instead of Triton's: `routes_dkdv`.
+step and warps: `bwd_launch_shape`.
 
 Supported: bf16 inputs, head dim 64 or 128, selection blocks of 64 keys, 64 rows a step for the forward
 (`gluon_fwd_items` / `gluon_bwd_dkdv_items` raise otherwise); the caller routes other shapes to the Triton kernels.
@@ -36,10 +36,10 @@ _BS = 64  # keys per selection block
 _BR = 64  # rows (queries x heads) per step
 _HEAD_DIMS = (64, 128)
 _BWD_ROWS = (64, 128)  # rows per step of the dK/dV kernel
-# The forward's registers per thread at head dim 64: 168 instead of ptxas's 194 (24 B spilled) fit 3 programs per
-# multiprocessor instead of 2. H200, bench/gluon_selected.py fwd, ms: nsa-125m 1 x 32k 0.753 -> 0.693, 2 x 8k
-# 0.389 -> 0.383; at D = 128 the cap lost (nsa-1b 2 x 8k 0.717 -> 0.878), so none there.
-_FWD_MAX_REGISTERS = {64: 168}
+# The forward's registers per thread: 168 fit 3 programs per multiprocessor instead of 2, without spilling at either
+# head dim (ptxas would take 168 at D = 64, 200 at D = 128). H200, bench/gluon_selected.py fwd, Gluon ms uncapped ->
+# capped at D = 128: nsa-1b 2 x 8k 0.696 -> 0.691, 1 x 32k 1.347 -> 1.326.
+_FWD_MAX_REGISTERS = 168
 
 
 @gluon.constexpr_function
@@ -358,26 +358,18 @@ def gluon_fwd_items(q: Tensor, k: Tensor, v: Tensor, *, O_PART: Tensor, LSE_PART
     _fwd_item_kernel[(ITEM_SEG.shape[0],)](q, k, v, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE_PART, T, TK,
                                            Q0, Q0_ODD, N_BLK, qk_scale, N_SEL=N_SEL, H=H, G=G, D=D, BS=BS, BR=BR,
                                            QB=QB, NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS,
-                                           maxnreg=_FWD_MAX_REGISTERS.get(D))
-
-
-def routes_dkdv(D: int, with_dq: bool) -> bool:
-    """Whether `selected_attention_bwd` launches this dK/dV kernel instead of Triton's: everywhere but head dim 64
-    with the dQ term (nsa-125m's key-block-major backward), where it is slower. H200, bench/gluon_selected.py bwd,
-    ms Triton -> Gluon: D = 64 with the term 2 x 8k 0.540 -> 0.559, 1 x 32k 1.056 -> 1.130 (the other launch
-    shapes slower still); D = 128 with it 1.285 -> 1.184, 2.668 -> 2.494; without it D = 64 0.512 -> 0.333,
-    D = 128 0.963 -> 0.670."""
-    return D > 64 or not with_dq
+                                           maxnreg=_FWD_MAX_REGISTERS)
 
 
 def bwd_launch_shape(G: int, D: int, with_dq: bool) -> tuple[int, int]:
     """(rows per step, warps) of the Gluon dK/dV kernel by default, whatever the Triton launch's: the fastest of
     64 rows on 4 warps, 64 on 8 and 128 on 8 in bench/gluon_selected.py (H200, nsa-125m's and nsa-1b's heads at
-    2 x 8k and 1 x 32k), at least the next power of two of G. D = 64: 64 rows, 4 warps (without the dQ term 0.333
-    ms against 0.344 / 0.379 at 2 x 8k). D = 128: with the term 64 rows on 8 warps (1.184 against 1.188 for 128
-    rows; 4 warps spill 476 B and take twice as long); without it 128 rows on 8 warps (0.670 against 0.746)."""
-    rows = 128 if D > 64 and not with_dq else _BR
-    return max(rows, 1 << max(0, G - 1).bit_length()), 8 if D > 64 else 4
+    2 x 8k and 1 x 32k; ms against Triton's), at least the next power of two of G. 128 rows on 8 warps at D = 128
+    with the dQ term (nsa-1b 2 x 8k 1.039 against 1.277; 64 rows on 8 warps 1.336, on 4 2.211), else 64 rows on 4
+    warps (D = 64 with the term 0.455 against 0.541; without it 0.339 against 0.509; D = 128 without it 0.720
+    against 0.958, 128 rows on 8 warps 0.732)."""
+    rows, warps = (128, 8) if D > 64 and with_dq else (_BR, 4)
+    return max(rows, 1 << max(0, G - 1).bit_length()), warps
 
 
 def gluon_bwd_dkdv_items(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, *, DK_PART: Tensor,

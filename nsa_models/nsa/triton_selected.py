@@ -626,7 +626,7 @@ def selected_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Ten
     # their smaller spill.
     dkdv = dict(DK_PART=dk_part, DV_PART=dv_part, DQ_PART=dq_part, qk_scale=scale * LOG2E, scale=scale,
                 WITH_DQ=dq_terms, num_warps=8 if dq_terms and D > 64 else 4, **item_args)
-    if gluon is not None and gluon.routes_dkdv(D, dq_terms):
+    if gluon is not None:
         # the same arguments and grid; its own rows per step and warps (`gluon_selected.bwd_launch_shape`)
         gluon.gluon_bwd_dkdv_items(q, k, v, do, lse, delta, **dkdv)
     else:
@@ -673,8 +673,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, b
     k, v [B, TK, H, D] (a pair: the even batch rows' and the odd ones'); scale defaults to 1 / sqrt(D).
     kernels (`model.nsa.selected_kernels`): "triton", or "gluon_hopper": the key-block-major forward's item kernel
     and the backward's dK/dV kernel are `gluon_selected`'s (Hopper, bf16, head dim 64 or 128, blocks of 64 keys:
-    `check_backend` and `ModelArgs.validate` refuse the rest; a call outside them raises), the dK/dV kernel where
-    it is the faster one (`gluon_selected.routes_dkdv`: not at head dim 64 with the dQ term), all else the same."""
+    `check_backend` and `ModelArgs.validate` refuse the rest; a call outside them raises), all else the same."""
     q_starts = query_offsets(q_start)
     _check(q, k, v, block_indices, block_size, q_starts)
     _gluon(kernels, load=False)
