@@ -366,12 +366,13 @@ def ratio(a: float | str, b: float | str) -> str:
     return f"{a / b:.3f}" if isinstance(a, float) and isinstance(b, float) else "n/a"
 
 
-def nsa_tflops(T: int, HQ: int, H: int, D: int, ms: float | str) -> str:
-    """Model FLOP rate of the core's fwd+bwd (3 x the forward's q.k and p.v products, real key counts)."""
+def nsa_tflops(B: int, T: int, HQ: int, H: int, D: int, ms: float | str,
+               branches: tuple[str, ...] = ("cmp", "slc", "win")) -> str:
+    """Model FLOP rate of a fwd+bwd of the branches (3 x the forward's q.k and p.v products, real key counts)."""
     if not isinstance(ms, float):
         return "n/a"
-    keys = sum(mean_keys_per_query(ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA), T).values())
-    return f"{3 * 4 * D * HQ * keys * T / ms / 1e9:.0f}"
+    keys = mean_keys_per_query(ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA), T)
+    return f"{3 * 4 * D * HQ * sum(keys[b] for b in branches) * B * T / ms / 1e9:.0f}"
 
 
 def main() -> None:
@@ -424,14 +425,17 @@ def main() -> None:
           flush=True)
     if args.selected:  # per T and function: wall-clock fwd / fwd+bwd, its GPU kernel time, and as a CUDA graph
         names = selected_names()
-        columns = " | ".join(f"{name}: fwd / fwd+bwd / kernels / graph" for name in names)
+        columns = " | ".join(f"{name}: fwd / fwd+bwd / kernels / graph / model TFLOP/s" for name in names)
         print(f"\n| T | {columns} |\n|---|" + "---|" * len(names))
         for T in args.seq_lens:
             q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
             times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]), cuda_graph_ms(fn, [q, k, v]))
                      for name, fn in selected_functions(q, k, v).items()}
-            print(f"| {T} | " + " | ".join(" / ".join(_ms(x) for x in times.get(name, ("-",) * 4))
-                                          for name in names) + " |", flush=True)
+            # the rate of the fwd+bwd as a CUDA graph: what a training step pays without the host's launches
+            cells = {name: (*map(_ms, t), nsa_tflops(args.batch, T, HQ, H, D, t[3], ("slc",)))
+                     for name, t in times.items()}
+            print(f"| {T} | " + " | ".join(" / ".join(cells.get(name, ("-",) * 5)) for name in names) + " |",
+                  flush=True)
         return
     if args.fused:  # per T: the two branches separately and fused, fwd / fwd+bwd, and fused over separate
         print("\n| T | separate: fwd / fwd+bwd | fused: fwd / fwd+bwd | fused / separate (fwd+bwd) |\n"
@@ -452,7 +456,7 @@ def main() -> None:
         nsa = by_name[CORE]
         print(f"ratios (fwd+bwd): NSA / SDPA cuDNN = {ratio(nsa, by_name.get('SDPA cuDNN (dense)', 'n/a'))}; "
               f"(fla + flex window) / NSA = {ratio(by_name.get('fla parallel_nsa + flex window', 'n/a'), nsa)}; "
-              f"NSA model TFLOP/s {nsa_tflops(T, HQ, H, D, nsa)}", flush=True)
+              f"NSA model TFLOP/s {nsa_tflops(args.batch, T, HQ, H, D, nsa)}", flush=True)
         for name, _, fwd_bwd in rows:
             if name.startswith(f"{CORE}, "):
                 print(f"{name.removeprefix(CORE + ', ')} / unmasked (fwd+bwd) = {ratio(fwd_bwd, nsa)}", flush=True)
@@ -470,7 +474,7 @@ def main() -> None:
             del inputs
             print(f"| {G} | {fwd if isinstance(fwd, str) else f'{fwd:.2f}'} | "
                   f"{fwd_bwd if isinstance(fwd_bwd, str) else f'{fwd_bwd:.2f}'} | "
-                  f"{nsa_tflops(T, HQ, HQ // G, D, fwd_bwd)} |", flush=True)
+                  f"{nsa_tflops(args.batch, T, HQ, HQ // G, D, fwd_bwd)} |", flush=True)
 
 
 if __name__ == "__main__":

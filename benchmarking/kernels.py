@@ -1,6 +1,6 @@
 """Where a profiled step's GPU time goes, from a torch.profiler trace's events: GPU time per kernel family and per
-kernel, launches per block, host enqueue against GPU busy time (bench/profile_step.py prints it for one process,
-bench/scaling.py for each cell's rank 0)."""
+kernel, launches per block, host enqueue against GPU busy time, and what the host was launching when the GPU sat
+idle (bench/profile_step.py prints it for one process, bench/scaling.py for each cell's rank 0)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,60 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
             total += e - max(s, end)
             end = e
     return total / 1e3
+
+
+def _enclosing(ops: list[dict], times: list[float]) -> dict[float, list[str]]:
+    """Per time, the names of one thread's host ops running then, outermost first. The ops of a thread nest, so
+    one sweep in time order with a stack of the open ones answers every time."""
+    chains, stack, i = {}, [], 0
+    ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+    for t in sorted(times):
+        while i < len(ops) and ops[i]["ts"] <= t:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ops[i]["ts"]:
+                stack.pop()
+            stack.append(ops[i])
+            i += 1
+        chains[t] = [e["name"] for e in stack if t < e["ts"] + e["dur"]]
+    return chains
+
+
+def idle_gaps(steps: list[dict], kernels: list[dict], events: list[dict], min_us: float = 20.0,
+              top: int = 10) -> list[str]:
+    """Markdown lines: the GPU's idle time within the steps (gaps of at least min_us between kernels), charged to
+    the host op that launched the kernel ending each gap (innermost, and the outermost under the step): what the
+    GPU was waiting for. Kernels and launches pair up by the trace's correlation ids."""
+    launch_of = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("name") in LAUNCHES
+                 and "correlation" in e.get("args", {})}
+    ops_by_thread = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    gaps = []  # (idle µs, the launch of the kernel that ended it or None)
+    for s in steps:
+        inside = sorted((e for e in kernels if s["ts"] <= e["ts"] < s["ts"] + s["dur"]), key=lambda e: e["ts"])
+        end = inside[0]["ts"] + inside[0]["dur"] if inside else 0.0
+        for e in inside[1:]:
+            gap = e["ts"] - end
+            end = max(end, e["ts"] + e["dur"])
+            if gap >= min_us:
+                gaps.append((gap, launch_of.get(e.get("args", {}).get("correlation"))))
+    chains = {tid: _enclosing(ops, [launch["ts"] for _, launch in gaps if launch and launch["tid"] == tid])
+              for tid, ops in ops_by_thread.items()}
+    charged = defaultdict(lambda: [0.0, 0])
+    for gap, launch in gaps:
+        ops = chains.get(launch["tid"], {}).get(launch["ts"], []) if launch else []
+        key = (f"{ops[0]} > {ops[-1]}" if len(ops) > 1 else ops[0] if ops
+               else "(launch not in the trace)") + (f" [{launch['name']}]" if launch else "")
+        charged[key][0] += gap
+        charged[key][1] += 1
+    n = len(steps)
+    lines = [f"GPU idle in gaps of {min_us:.0f} us or more: {sum(g for g, _ in gaps) / n / 1e3:.2f} ms per step", "",
+             "| host op launching the kernel after the gap (outer > inner) [launch] | idle ms / step | gaps / step |",
+             "|---|---|---|"]
+    for key, (us, count) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]:
+        short = key if len(key) <= 110 else key[:107] + "..."
+        lines.append(f"| `{short}` | {us / n / 1e3:.3f} | {count / n:.1f} |")
+    return lines
 
 
 def summarize(events: list[dict], n_layers: int, top: int = 20) -> str:
@@ -62,4 +116,5 @@ def summarize(events: list[dict], n_layers: int, top: int = 20) -> str:
     for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         short = name if len(name) <= 70 else name[:67] + "..."
         lines.append(f"| `{short}` | {family(name)} | {ms:.3f} | {count:.0f} |")
+    lines += ["", *idle_gaps(steps, kernels, events)]
     return "\n".join(lines) + "\n"

@@ -29,3 +29,28 @@ def test_summary_of_two_steps():
     assert "| GEMM | 2.00 | 40.0% | 1 | 0.5 |" in text
     assert "| NSA Triton kernels | 2.00 | 40.0% | 1 | 0.5 |" in text
     assert "| inductor fused (triton_*) | 1.00 | 20.0% | 1 | 0.5 |" in text
+
+
+def test_idle_gaps_are_charged_to_the_host_op_that_launched_the_next_kernel():
+    def x(name, ts, dur, cat, tid=1, correlation=None):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid,
+                "args": {} if correlation is None else {"correlation": correlation}}
+
+    events = [x("ProfilerStep#3", 0, 10_000, "user_annotation"),
+              x("Optimizer.step", 100, 5000, "cpu_op"), x("aten::sort", 2000, 500, "cpu_op"),
+              x("aten::add", 3000, 100, "cpu_op"), x("aten::mul", 6000, 100, "cpu_op", tid=2),
+              x("cudaLaunchKernel", 150, 10, "cuda_runtime", correlation=1),
+              x("cudaLaunchKernel", 2100, 10, "cuda_runtime", correlation=2),  # in Optimizer.step > aten::sort
+              x("cudaLaunchKernel", 3010, 10, "cuda_runtime", correlation=3),  # in Optimizer.step > aten::add
+              x("cudaLaunchKernel", 6010, 10, "cuda_runtime", tid=2, correlation=4),  # aten::mul alone
+              x("k0", 200, 1000, "kernel", correlation=1),
+              x("k1", 1500, 1000, "kernel", correlation=2),  # 300 us idle before it
+              x("k2", 2510, 100, "kernel", correlation=3),  # 10 us: under the threshold
+              x("k3", 6100, 100, "kernel", correlation=4),  # 3490 us
+              x("k4", 6250, 100, "kernel", correlation=99)]  # 50 us, its launch not in the trace
+    text = kernels.summarize(events, n_layers=1)
+    assert "GPU idle in gaps of 20 us or more: 3.84 ms per step" in text
+    assert "| `aten::mul [cudaLaunchKernel]` | 3.490 | 1.0 |" in text
+    assert "| `Optimizer.step > aten::sort [cudaLaunchKernel]` | 0.300 | 1.0 |" in text
+    assert "| `(launch not in the trace)` | 0.050 | 1.0 |" in text
+    assert "aten::add" not in text
