@@ -249,9 +249,10 @@ def test_head_rows_operand():
 def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(T: int, D: int, monkeypatch):
     """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the key-block-major forward's item launch goes to
     `gluon_selected.gluon_fwd_items` and every backward's dK/dV launch to `gluon_bwd_dkdv_items` (with and without
-    the per-pair dQ term), with the arguments the Triton kernels get (the query-tile forward stays Triton's). Here (CPU) they are recording stand-ins that launch the
-    Triton kernels with exactly those arguments, so the outputs and gradients are the default path's, bit for bit;
-    the Gluon kernels themselves run in tests/test_gluon_selected.py (Hopper)."""
+    the per-pair dQ term), with the arguments the Triton kernels get (the query-tile forward stays Triton's). Here
+    (CPU) they are recording stand-ins that launch the Triton kernels with exactly those arguments, so the outputs
+    and gradients are the default path's, bit for bit; the Gluon kernels themselves run in
+    tests/test_gluon_selected.py (Hopper)."""
     from nsa_models.nsa import gluon_selected  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
