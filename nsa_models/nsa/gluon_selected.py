@@ -89,14 +89,6 @@ def _entry_rows(entry, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.cons
 
 
 @gluon.jit
-def _step_rows(QSLOT, qs, end, b, h, T, N_SEL: gl.constexpr, H: gl.constexpr, G: gl.constexpr,
-               BR: gl.constexpr, QB: gl.constexpr, layout: gl.constexpr):
-    """`_step_entries` and `_entry_rows` at once: (exists, t, row of [B * T * HQ], slot) of each row of a step."""
-    ok, entry = _step_entries(QSLOT, qs, end, G, BR, QB, layout)
-    return ok, entry // N_SEL, _entry_rows(entry, b, h, T, N_SEL, H, G, BR, layout), entry % N_SEL
-
-
-@gluon.jit
 def _work_item(ITEM_SEG, ITEM_START, ITEM_END, Q0, Q0_ODD, N_BLK, H: gl.constexpr):
     """This program's work item (grid: the reverse index's items), as `triton_selected._item_block`: its entries
     [start, end) in the reverse index, batch b, KV head h, key block j, and the first query's position in row b."""
