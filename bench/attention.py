@@ -166,7 +166,8 @@ def _separate_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Block
 
 
 def _fused_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
-    o_slc, o_win = selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size)
+    o_slc, o_win = selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size,
+                                             kernels=NSA.selected_kernels)
     return o_slc + o_win
 
 

@@ -5,10 +5,14 @@ other rows per step / warps it supports). Prints ms per call (triton.testing.do_
 reaches on the useful work per (query row, chosen block) pair, whatever the padding of a step's rows: 4 * l' * D
 FLOPs forward (QK^T, PV), 8 * l' * D backward (QK^T, dO V^T, P^T dO, dS^T Q) and 10 * l' * D with the dQ term.
 
+`fused`: the fused selected + window forward (`triton_selected_window.triton_fwd` against
+`gluon_selected_window.gluon_fwd`) at 2k-4k, on random valid choices; TFLOP/s over the whole causal prefix it walks
+(4 * D FLOPs per (row, key) up to the row's query, twice in the window's steps, as the kernels do them).
+
 Also the place the GPU test builds its launches from (`ItemLaunch`, `DkdvLaunch`), so both run the kernels exactly
 as the forward and backward ops do.
 
-    PYTHONPATH=. python3 bench/gluon_selected.py [fwd|bwd]   # both by default
+    PYTHONPATH=. python3 bench/gluon_selected.py [fwd|bwd|fused]   # fwd and bwd by default
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     gluon_bwd_dkdv_items,
     gluon_fwd_items,
 )
+from nsa_models.nsa.gluon_selected_window import gluon_fwd  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
@@ -39,6 +44,7 @@ from nsa_models.nsa.triton_selected import (  # noqa: E402
     _item_args,
     reverse_index,
 )
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_fwd  # noqa: E402
 
 BS, N_SEL = 64, 16  # l' and n of every flavor
 SHAPES = [  # name, B, T, H (KV heads), G, D
@@ -197,6 +203,8 @@ def main(which: str = "all") -> None:
         bench_fwd()
     if which in ("all", "bwd"):
         bench_bwd()
+    if which == "fused":
+        bench_fused()
 
 
 def bench_fwd() -> None:
@@ -221,6 +229,41 @@ def bench_bwd() -> None:
             for kernel, ms, gflop in results:
                 print(f"{label:<18} {G:>2} {D:>4} {'yes' if with_dq else 'no':>3} {kernel:<30} {ms:>8.3f} "
                       f"{ms_triton / ms:>7.2f}x {gflop / ms:>7.1f}")
+
+
+FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
+    ("nsa-125m 16 x 2k", 16, 2048, 4, 3, 64, 512),
+    ("nsa-125m 8 x 4k", 8, 4096, 4, 3, 64, 512),
+    ("nsa-1b 8 x 2k", 8, 2048, 4, 4, 128, 512),
+    ("G = 16 D = 128 4k", 2, 4096, 4, 16, 128, 512),
+]
+
+
+def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> tuple[float, float, float]:
+    """(Triton ms, Gluon ms, GFLOP over the walked prefix) of one shape's fused forward."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
+    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
+    lse_slc, lse_win = (q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))
+    outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
+    ms_triton = triton.testing.do_bench(lambda: triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs))
+    ms_gluon = triton.testing.do_bench(lambda: gluon_fwd(q, k, v, bits, None, window, D**-0.5, **outputs))
+    t = torch.arange(T, dtype=torch.float64)
+    gflop = 4 * D * B * H * G * float((t + 1).sum() + torch.clamp(t + 1, max=window).sum()) / 1e9
+    return ms_triton, ms_gluon, gflop
+
+
+def bench_fused() -> None:
+    print("fused selected + window forward")
+    print(f"{'shape':<18} {'G':>2} {'D':>4} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} {'triton TF/s':>12} "
+          f"{'gluon TF/s':>11}")
+    for label, B, T, H, G, D, window in FUSED_SHAPES:
+        ms_triton, ms_gluon, gflop = time_fused(B, T, H, G, D, window)
+        torch.cuda.empty_cache()
+        print(f"{label:<18} {G:>2} {D:>4} {ms_triton:>10.3f} {ms_gluon:>9.3f} {ms_triton / ms_gluon:>7.2f}x "
+              f"{gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f}")
 
 
 if __name__ == "__main__":

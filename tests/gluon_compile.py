@@ -1,8 +1,8 @@
-"""Compiles the Gluon key-block-major selected kernels (`nsa_models/nsa/gluon_selected.py`: the forward and the
-backward's dK/dV kernel) for Hopper (sm_90) on a machine without a GPU, with the arguments the host code launches
+"""Compiles the Gluon kernels for Hopper (sm_90) on a machine without a GPU (`nsa_models/nsa/gluon_selected.py`:
+the key-block-major forward and the backward's dK/dV kernel; `gluon_selected_window.py`: the fused selected +
+window forward), with the arguments the host code launches
 them with, and prints what the PTX holds: wgmma and cp.async instruction counts, shared memory, and ptxas's
-registers / spills per shape, next to the Triton `_fwd_item_kernel` / `_bwd_dkdv_kernel` compiled for the same
-launch.
+registers / spills per shape, next to the Triton kernel each replaces, compiled for the same launch.
 
 As tests/hopper_compile.py does for the Triton kernels: the launch is recorded from `gluon_fwd_items` (given the
 work lists and `_item_args` of CPU tensors) instead of run, then compiled. Cases: nsa-125m's heads (4 KV heads,
@@ -29,7 +29,7 @@ from triton.runtime.jit import mangle_type
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.attention import random_block_indices  # noqa: E402
-from nsa_models.nsa import gluon_selected  # noqa: E402
+from nsa_models.nsa import gluon_selected, gluon_selected_window, triton_selected_window  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
@@ -62,21 +62,20 @@ PTX_COUNTS = {  # what the kernel is meant to be made of
 }
 
 
-def record(kernel_name: str, launch) -> tuple[tuple, dict]:
-    """The positional and keyword arguments `launch()` gives `gluon_selected.<kernel_name>`, recorded instead of
-    run."""
+def record(kernel_name: str, launch, module=gluon_selected) -> tuple[tuple, dict]:
+    """The positional and keyword arguments `launch()` gives `module.<kernel_name>`, recorded instead of run."""
     launches = []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append((a, kw))
 
-    kernel = getattr(gluon_selected, kernel_name)
-    setattr(gluon_selected, kernel_name, Recorder())
+    kernel = getattr(module, kernel_name)
+    setattr(module, kernel_name, Recorder())
     try:
         launch()
     finally:
-        setattr(gluon_selected, kernel_name, kernel)
+        setattr(module, kernel_name, kernel)
     (recorded,) = launches
     return recorded
 
@@ -113,6 +112,28 @@ def recorded_bwd_launch(H: int, G: int, D: int, T: int, with_dq: bool, rows: int
     constexprs = ("N_SEL", "H", "G", "D", "BS", "BR", "QB", "BD", "PRECISION", "WITH_DQ", "num_warps", "num_stages")
     triton_kwargs = {key: value for key, value in (outputs | args).items() if key in constexprs}
     return launch_args, launch_kwargs, triton_kwargs
+
+
+FUSED_CASES = [  # name, H (KV heads), G, D, T, documents
+    ("nsa-125m", 4, 3, 64, 2048, False),
+    ("nsa-125m, documents", 4, 3, 64, 2048, True),
+    ("nsa-1b", 4, 4, 128, 2048, False),
+]
+
+
+def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple]:
+    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward and `selected_window_fwd` the Triton one, for
+    bf16 CPU tensors of this shape (one batch row, the window of nsa-125m: 512)."""
+    q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
+    bits = torch.zeros(1, H, T, dtype=torch.int64)
+    doc = torch.zeros(1, T, dtype=torch.int32) if documents else None
+    lse = torch.zeros(1, T, H * G)
+    gluon_launch = record("_fwd_kernel", lambda: gluon_selected_window.gluon_fwd(
+        q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse), gluon_selected_window)
+    triton_launch = record("_fwd_kernel", lambda: triton_selected_window.selected_window_fwd(
+        q, k, v, bits, doc, BS, 512, D**-0.5), triton_selected_window)
+    return gluon_launch, triton_launch
 
 
 def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
@@ -162,10 +183,12 @@ def summary(compiled) -> str:
     return f"{counts}; shared {compiled.metadata.shared} B; {ptxas_report(ptx)}"
 
 
-def main() -> int:
+def main(parts: list[str]) -> int:
+    """parts: "items" (the key-block-major kernels), "fused" (the fused forward); both when empty."""
     print(f"triton {triton.__version__}, target {HOPPER}")
     failures = 0
-    for name, H, G, D, T in CASES:
+    parts = parts or ["items", "fused"]
+    for name, H, G, D, T in CASES if "items" in parts else []:
         args, kwargs = recorded_launch(H, G, D, T)
         label = f"{name}: H={H} G={G} D={D} T={T} (QB={kwargs['QB']})"
         try:
@@ -179,7 +202,7 @@ def main() -> int:
         triton_kwargs = {key: value for key, value in kwargs.items() if key not in ("NUM_WARPS", "num_warps")}
         triton_kwargs |= dict(PRECISION="tf32", BD=kwargs["D"], num_warps=4, num_stages=3 if kwargs["D"] > 64 else 2)
         print(f"  triton: {summary(compile_launch(_fwd_item_kernel, ASTSource, args, triton_kwargs))}")
-    for name, H, G, D, T, with_dq in BWD_CASES:
+    for name, H, G, D, T, with_dq in BWD_CASES if "items" in parts else []:
         args, kwargs, triton_kwargs = recorded_bwd_launch(H, G, D, T, with_dq)
         print(f"bwd dK/dV {name}: H={H} G={G} D={D} T={T} WITH_DQ={with_dq}")
         # The Gluon kernel at its default rows per step / warps (`bwd_launch_shape`), then the alternatives.
@@ -196,8 +219,19 @@ def main() -> int:
         # The Triton kernel as `selected_attention_bwd` launches it.
         label = f"triton {triton_kwargs['BR']:>3} rows {triton_kwargs['num_warps']} warps"
         print(f"  {label}: {summary(compile_launch(_bwd_dkdv_kernel, ASTSource, args, triton_kwargs))}")
+    for name, H, G, D, T, documents in FUSED_CASES if "fused" in parts else []:
+        (args, kwargs), (triton_args, triton_kwargs) = recorded_fused_launches(H, G, D, T, documents)
+        label = f"fused selected + window forward {name}: H={H} G={G} D={D} T={T}"
+        try:
+            compiled = compile_launch(gluon_selected_window._fwd_kernel, GluonASTSource, args, kwargs)
+            print(f"{label}\n  gluon:  {summary(compiled)}")
+        except Exception as e:
+            failures += 1
+            print(f"FAILED {label}: {type(e).__name__}: {e}")
+        compiled = compile_launch(triton_selected_window._fwd_kernel, ASTSource, triton_args, triton_kwargs)
+        print(f"  triton: {summary(compiled)}")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

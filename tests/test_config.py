@@ -123,10 +123,6 @@ BAD_INPUT = [
     (None, ["--model.nsa.selected_kernels", "gluon_hopper"],
      "model.nsa.selected_kernels = 'gluon_hopper' needs backend = 'triton' (the reference computes every branch "
      "itself): set model.nsa.backend = 'triton' (a CUDA GPU), or set model.nsa.selected_kernels = 'triton'"),
-    (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton",
-            "--model.nsa.window_backend", "fused_with_selected"],
-     "model.nsa.selected_kernels = 'gluon_hopper' replaces kernels that window_backend = 'fused_with_selected' "
-     "does not run: set another window_backend, or set model.nsa.selected_kernels = 'triton'"),
     (None, ["--model.nsa.selected_kernels", "gluon_hopper", "--model.nsa.backend", "triton"],  # debug: l' = 16
      "model.nsa.selected_kernels = 'gluon_hopper' runs selection blocks of 64 keys, but model.nsa.sel_block_size = "
      "16: set it to 64, or set model.nsa.selected_kernels = 'triton'"),

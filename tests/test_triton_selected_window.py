@@ -176,3 +176,37 @@ def test_refusals():
             ModelArgs(attention="nsa", nsa=nsa, max_seq_len=64 * MAX_FUSED_BLOCKS + 1).validate()
     ModelArgs(attention="nsa", nsa=NSAArgs(backend="triton", window_backend="fused_with_selected"),
               max_seq_len=64 * MAX_FUSED_BLOCKS).validate()
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_gluon_forward_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward is
+    `gluon_selected_window.gluon_fwd`'s, given what `triton_fwd` gets but the block size (the Gluon kernel's is
+    64) and writing the same outputs; the backward stays Triton's. Here (CPU) the Gluon launch is a recording
+    stand-in that runs `triton_fwd` on those arguments, so the outputs and gradients are the default path's, bit for
+    bit; the Gluon kernel itself runs in tests/test_gluon_selected_window.py (Hopper)."""
+    from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
+
+    calls = []
+
+    def gluon_fwd(q, k, v, bits, doc_start, window, scale, **outputs):
+        calls.append((q.shape, bits.shape, doc_start is not None, window, scale, sorted(outputs)))
+        sw.triton_fwd(q, k, v, bits, doc_start, BS, window, scale, **outputs)
+
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", gluon_fwd)
+    B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
+    gen = torch.Generator().manual_seed(3)
+    doc = document_starts(B, T, gen) if documents else None
+    q = torch.randn(B, T, H * G, D, generator=gen)
+    k, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    idx = random_indices(B, H, T, n, doc if documents else torch.zeros(B, T, dtype=torch.int32), gen)
+    cot = torch.randn(2, B, T, H * G, D, generator=gen)
+    results = {}
+    for kernels in ("triton", "gluon_hopper"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o_slc, o_win = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
+        results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
+    assert calls == [(q.shape, (B, H, T), documents, window, D ** -0.5,
+                      ["lse_slc", "lse_win", "o_slc", "o_win"])]
+    for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
+        assert torch.equal(got, want), name

@@ -11,7 +11,8 @@ Same contract as `nsa_reference`. Branches:
   `selected_kernels = "gluon_hopper"` its key-block-major forward and dK/dV kernels are `gluon_selected`'s);
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
   (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer); or, with `"fused_with_selected"`,
-  in one sweep with the selected branch (`triton_selected_window.selected_window_attention`, shared K/V).
+  in one sweep with the selected branch (`triton_selected_window.selected_window_attention`, shared K/V; its
+  forward is `gluon_selected_window`'s under `selected_kernels = "gluon_hopper"`).
   FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs
   a GPU.
 
@@ -192,7 +193,7 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
             raise ValueError("model.nsa.window_backend = 'fused_with_selected' needs the window's keys and values to "
                              "be the selected branch's: set model.nsa.separate_kv = false")
         o_slc, o_win = selected_window_attention(q, k_slc, v_slc, block_indices, args.sel_block_size,
-                                                 args.window_size, scale, doc_start)
+                                                 args.window_size, scale, doc_start, args.selected_kernels)
     else:
         o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
         # Chosen here (not given), so rows with at most n candidates hold them all.

@@ -290,21 +290,35 @@ def _operands(k: Tensor, v: Tensor, args: dict) -> tuple:
 
 @torch.library.custom_op("nsa::selected_window_fwd", mutates_args=())
 def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
-                        window: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`."""
+                        window: int, scale: float, kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`.
+    kernels (`model.nsa.selected_kernels`): "gluon_hopper" runs `gluon_selected_window`'s forward (Hopper, bf16,
+    head dim 64 or 128, blocks of 64 keys: it raises outside them), "triton" this module's."""
     q, k, v, bits = q.contiguous(), k.contiguous(), v.contiguous(), bits.contiguous()
     o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
     lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
     lse_win = torch.empty_like(lse_slc)
+    outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
+    if kernels == "gluon_hopper":
+        from nsa_models.nsa import gluon_selected_window  # only then: CPU runs never load Gluon
+
+        gluon_selected_window.gluon_fwd(q, k, v, bits, doc_start, window, scale, **outputs)
+    else:
+        triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, **outputs)
+    return o_slc, o_win, lse_slc, lse_win
+
+
+def triton_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
+               window: int, scale: float, o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor) -> None:
+    """Launch the Triton forward into the outputs (as `gluon_selected_window.gluon_fwd`, with the block size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, FWD_LAUNCH)
     k, v = _operands(k, v, args)
     _fwd_kernel[(tiles, q.shape[0] * args["H"])](q, k, v, O_SLC=o_slc, O_WIN=o_win, LSE_SLC=lse_slc,
                                                  LSE_WIN=lse_win, **args)
-    return o_slc, o_win, lse_slc, lse_win
 
 
 @selected_window_fwd.register_fake
-def _(q, k, v, bits, doc_start, block_size, window, scale):
+def _(q, k, v, bits, doc_start, block_size, window, scale, kernels="triton"):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
 
@@ -336,7 +350,7 @@ def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bits, doc_start, block_size, window, scale = inputs
+    q, k, v, bits, doc_start, block_size, window, scale, _ = inputs  # the backward's kernels are Triton's
     ctx.save_for_backward(*output, q, k, v, bits, doc_start)
     ctx.block_size, ctx.window, ctx.scale = block_size, window, scale
 
@@ -347,7 +361,7 @@ def _backward(ctx, do_slc, do_win, dlse_slc, dlse_win):
     delta_win = triton_common.softmax_delta(o_win, do_win, dlse_win)
     dq, dk, dv = selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
                                      doc_start, ctx.block_size, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 selected_window_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -362,14 +376,15 @@ def check_fused(T: int, block_size: int) -> None:
 
 
 def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, window: int,
-                              scale: float | None = None,
-                              doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                              scale: float | None = None, doc_start: Tensor | None = None,
+                              kernels: str = "triton") -> tuple[Tensor, Tensor]:
     """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
-    [B, H, T, n] int64 (-1: none); doc_start [B, T] int32 (multiples of block_size) or None."""
+    [B, H, T, n] int64 (-1: none); doc_start [B, T] int32 (multiples of block_size) or None; kernels: the
+    forward's (`selected_window_fwd`; the backward's are Triton's)."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
     scale = D ** -0.5 if scale is None else scale
     o_slc, o_win, _, _ = selected_window_fwd(q, k, v, chosen_bits(block_indices), doc_start, block_size, window,
-                                             scale)
+                                             scale, kernels)
     return o_slc, o_win

@@ -1,0 +1,273 @@
+"""The fused selected + window forward (`triton_selected_window._fwd_kernel`) in Gluon for Hopper (sm_90): the same
+inputs, outputs and arithmetic, written the way FlashAttention-3 overlaps a tile's work.
+
+A query tile (QT queries x their G heads, 64 rows) walks its causal prefix 64 keys a step, as the Triton kernel does.
+What this kernel states instead of leaving to Triton's compiler:
+- key and value steps arrive by TMA into a ring of shared-memory stages, a step's load issued as soon as the step
+  STAGES earlier has freed its stage, and signalled on an mbarrier (no address arithmetic, no registers);
+- the tile's query rows stay in NVMMA-swizzled shared memory for the whole program; both products run on wgmma with
+  fp32 accumulators, P fed from registers;
+- the tensor cores and the softmax overlap: while step j's P V products run, step j + 1's S = q k^T has already
+  been issued and its softmax runs on the CUDA cores, so the softmax's exponentials (D = 64: as long as the
+  products) hide behind the matrix work instead of following it.
+The steps before the tile's window feed the selected softmax alone; the window's steps feed both, from one S.
+
+Supported: bf16, head dim 64 or 128, selection blocks of 64 keys (`supported`); the caller keeps the Triton kernel
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from nsa_models.nsa.triton_common import LOG2E
+
+_NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a query tile's rows
+_BM = 64  # rows (queries x heads) of a query tile
+_BN = 64  # keys a step: one selection block
+_STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
+_HEAD_DIMS = (64, 128)
+
+
+@gluon.constexpr_function
+def _row_layout(cols, num_warps):
+    """Registers of a [rows, cols] bf16 tile for global memory: 8 consecutive elements (16 bytes) per thread."""
+    lanes = cols // 8
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(n, num_warps):
+    """wgmma accumulator layout of a [64, n] tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _load_step(k_desc, v_desc, k_smem, v_smem, bars, step, n_steps, row0, col, STAGES: gl.constexpr,
+               BN: gl.constexpr):
+    """Issue the TMA loads of key / value step `step` (rows row0 + step * BN of the [B * T, H * D] views, from
+    column col) into its stage, signalled on the stage's barrier; nothing past the last step."""
+    slot = step % STAGES
+    bar = bars.index(slot)
+    ok = step < n_steps
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [row0 + step * BN, col], bar, k_smem.index(slot), pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [row0 + step * BN, col], bar, v_smem.index(slot), pred=ok)
+
+
+@gluon.jit
+def _issue_scores(q_smem, k_smem, bars, step, STAGES: gl.constexpr, s_l: gl.constexpr, BM: gl.constexpr,
+                  BN: gl.constexpr):
+    """Wait for step `step`'s keys and issue S = q k^T on wgmma (asynchronous: the caller waits)."""
+    slot = step % STAGES
+    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax_step(s, m, l, visible):
+    """`triton_common.online_softmax_update` without the product: scores s (log2 units) where visible, the running
+    max m and sum l; returns bf16 P (S's layout), the new m and l, and the factor alpha that the output accumulated
+    so far takes."""
+    s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    return p.to(gl.bfloat16), m_new, l * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _selected_visible(word, step, pos, t):
+    """[rows, keys]: the row's query chose key step `step`'s block, and the key does not follow the query."""
+    return (((word >> step) & 1) != 0)[:, None] & (pos[None, :] <= t[:, None])
+
+
+@gluon.jit
+def _window_visible(pos, t, doc, W, DOC_MASK: gl.constexpr):
+    """[rows, keys]: the key lies in the row's window (causal, within W, not before its document's start)."""
+    inside = (pos[None, :] <= t[:, None]) & (t[:, None] - pos[None, :] < W)
+    if DOC_MASK:
+        inside = inside & (pos[None, :] >= doc[:, None])
+    return inside
+
+
+@gluon.jit
+def _write_rows(O, LSE, acc, m, l, rows, ok, s_rows, s_ok, d, D: gl.constexpr, o_l: gl.constexpr,
+                rows_l: gl.constexpr):
+    """`triton_common.softmax_output` stored: o = acc / l (0 for a row that saw no key) from the gather layout, the
+    natural-log lse (-inf there)."""
+    l_safe = gl.where(l > 0, l, 1.0)
+    o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
+    gl.store(O + rows[:, None] * D + d[None, :], gl.convert_layout(o.to(gl.bfloat16), rows_l),
+             mask=ok[:, None])
+    gl.store(LSE + s_rows, gl.where(l > 0, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), mask=s_ok)
+
+
+@gluon.jit(do_not_specialize=["T", "W"])
+def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: gl.constexpr,
+                G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                DOC_MASK: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Grid: query tiles x batch * KV heads. Row r of a tile is head r % G of query tile * QT + r // G; BM rows,
+    BN keys a step (one selection block)."""
+    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
+    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+
+    tile = gl.program_id(0)  # positions and steps in int32 (shared-memory stages take int32 indices)
+    bh = gl.program_id(1).to(gl.int64)
+    b, h = bh // H, bh % H
+    first = tile * QT
+    n_steps = (gl.minimum(first + QT, T) - 1) // BN + 1
+    win_step = gl.maximum(first - W + 1, 0) // BN  # the first key step inside any row's window
+    row0 = (b * T).to(gl.int32)  # the batch's first row of the [B * T, H * D] key / value views (TMA: int32)
+    col = (h * D).to(gl.int32)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, i, n_steps, row0, col, STAGES, BN)
+
+    # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+    r = gl.arange(0, BM, layout=row_l)
+    t = first + r // G
+    ok = (r < QT * G) & (t < T)  # rows below: int64 offsets
+    rows = (b * T + t) * (H * G) + h * G + r % G
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], q_sl)
+    q_smem.store(gl.load(Q + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Per-row values in S's layout: positions, which exist, the query's chosen blocks, its document's start.
+    sr = gl.arange(0, BM, layout=srow_l)
+    st = first + sr // G
+    s_ok = (sr < QT * G) & (st < T)
+    s_rows = (b * T + st) * (H * G) + h * G + sr % G
+    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    if DOC_MASK:
+        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
+    else:
+        doc = st
+    u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+
+    m_s = gl.full([BM], float("-inf"), gl.float32, srow_l)
+    l_s = gl.zeros([BM], gl.float32, srow_l)
+    m_w, l_w = m_s, l_s
+    alpha_w = gl.full([BM], 1.0, gl.float32, srow_l)
+    acc_s = gl.zeros([BM, D], gl.float32, o_l)
+    acc_w = gl.zeros([BM, D], gl.float32, o_l)
+    # Each branch's P of the step in flight, in shared memory: the products read it from there, so nothing defines
+    # their register inputs while the step's S product runs (ptxas would serialize the products: P in registers,
+    # packed at the product, did).
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BN], p_sl)
+    p_slc, p_win = p_smem.index(0), p_smem.index(1)
+
+    # Step 0's softmax, before the loops: each iteration j then issues step j + 1's S, issues step j's P V, and
+    # runs step j + 1's softmax while the P V products run.
+    s = _issue_scores(q_smem, k_smem, bars, 0, STAGES, s_l, BM, BN)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, )) * qk_scale
+    pos = u.to(gl.int32)
+    p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, 0, pos, st))
+    p_slc.store(p)
+    if win_step == 0:
+        p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        p_win.store(p)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Steps before the window: one product a step (the selected branch); step j + 1 may be the window's first.
+    for j in range(0, win_step):
+        s = _issue_scores(q_smem, k_smem, bars, j + 1, STAGES, s_l, BM, BN)
+        acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, )) * qk_scale
+        pos = ((j + 1) * BN + u).to(gl.int32)
+        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
+        acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, ))
+        p_slc.store(p)
+        if j + 1 == win_step:  # the window's first step: its state starts here, with nothing to rescale
+            p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
+            p_win.store(p)
+        fence_async_shared()
+        gl.thread_barrier()
+        # every warp is past step j's products: its stage takes step j + STAGES's keys and values
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+        acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+
+    # The window's steps: two products a step from one S. The last iteration's "next" S recomputes the last step
+    # (no load past it) and its softmax sees no key (positions past every query): a no-op on the states.
+    for j in range(win_step, n_steps):
+        s = _issue_scores(q_smem, k_smem, bars, gl.minimum(j + 1, n_steps - 1), STAGES, s_l, BM, BN)
+        acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
+        acc_w = warpgroup_mma(p_win, v_smem.index(j % STAGES), acc_w, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, )) * qk_scale
+        pos = ((j + 1) * BN + u).to(gl.int32)
+        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
+        p_w, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_w))
+        p_slc.store(p)
+        p_win.store(p_w)
+        fence_async_shared()
+        gl.thread_barrier()
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+        acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+        acc_w = acc_w * gl.convert_layout(alpha_w, orow_l)[:, None]
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    _write_rows(O_SLC, LSE_SLC, acc_s, m_s, l_s, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
+    _write_rows(O_WIN, LSE_WIN, acc_w, m_w, l_w, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
+
+
+def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int) -> bool:
+    """Whether the Gluon forward runs these inputs: bf16, 16-byte aligned, head dim 64 or 128, blocks of 64 keys."""
+    return (all(x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 for x in (q, k, v))
+            and q.shape[-1] in _HEAD_DIMS and block_size == _BN)
+
+
+def _step_descriptor(x: Tensor) -> TensorDescriptor:
+    """TMA descriptor of one key step of one KV head: [BN, D] boxes of x [B, T, H, D] viewed as [B * T, H * D].
+    A step past a batch row's T reads the next row's keys (or zeros past the tensor): only keys no query of the row
+    can see, as the masks make them."""
+    B, T, H, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
+    return TensorDescriptor.from_tensor(x.view(B * T, H * D), [_BN, D], layout)
+
+
+def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int, scale: float,
+              o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor) -> None:
+    """Launch the Gluon forward into o_slc, o_win [B, T, HQ, D] and lse_slc, lse_win [B, T, HQ] (natural log), as
+    `selected_window_fwd` launches the Triton kernel: q [B, T, HQ, D], k, v [B, T, H, D] contiguous, bits
+    (`chosen_bits`) [B, H, T] int64, doc_start [B, T] int32 or None."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    if not supported(q, k, v, _BN) or G > _BM:
+        raise ValueError(f"gluon_selected_window: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS} and at most "
+                         f"{_BM} query heads per KV head; got {q.dtype}, D = {D}, G = {G}")
+    QT = _BM // G
+    doc = doc_start if doc_start is not None else bits  # a placeholder pointer, never read
+    _fwd_kernel[(-(-T // QT), B * H)](q, _step_descriptor(k), _step_descriptor(v), bits, doc, o_slc, o_win, lse_slc,
+                                      lse_win, T, window, scale * LOG2E, H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN,
+                                      DOC_MASK=doc_start is not None, STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS,
+                                      num_warps=_NUM_WARPS)

@@ -1,0 +1,117 @@
+"""The Gluon fused selected + window forward (`nsa_models/nsa/gluon_selected_window.py`) on a Hopper GPU, against
+the Triton fused forward run in fp32 on the same inputs (the oracle: tests/test_triton_selected_window.py checks
+it against the reference backend), with random bf16 inputs and random valid block choices: both outputs within
+1e-2 relative error, both log-sum-exps within 1e-2 where finite and -inf in the same rows. The Triton bf16 forward
+is held to the same bounds, so a failure names the kernel that moved.
+
+Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
+`selected_kernels = "gluon_hopper"` against "triton": logits and every gradient within 1e-2 relative error.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.attention import random_block_indices
+from nsa_models import get_flavor
+from nsa_models.model import Transformer
+from nsa_models.nsa import check_backend, gluon_selected_window
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_fwd
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                       reason="the Gluon kernel is written for Hopper (sm_90)"),
+]
+
+BS, N_SEL = 64, 16
+CASES = [  # B, T, H (KV heads), G, D, window, documents
+    (2, 2048, 4, 3, 64, 512, False),  # nsa-125m's heads at 2k
+    (1, 2000, 4, 3, 64, 512, True),  # T not a multiple of 64; documents
+    (2, 2048, 4, 4, 128, 512, False),  # nsa-1b's heads
+    (1, 4096, 2, 16, 128, 512, False),  # G = 16: 4 queries a tile; 64 selection blocks, the most the sweep takes
+    (1, 300, 4, 1, 64, 100, True),  # G = 1: 64 queries a tile; a window that is no multiple of 64
+]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _forward(launch, q, k, v, bits, doc, window) -> tuple[torch.Tensor, ...]:
+    o_slc, o_win = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    lse_slc = torch.full(q.shape[:3], float("nan"), device=q.device)
+    lse_win = torch.full_like(lse_slc, float("nan"))
+    launch(q, k, v, bits, doc, window, q.shape[-1] ** -0.5, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
+           lse_win=lse_win)
+    return o_slc, o_win, lse_slc, lse_win
+
+
+@pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
+def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+    gen = torch.Generator("cuda").manual_seed(T + G)
+    q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
+    doc = None
+    if documents:  # documents starting at random multiples of 64
+        cuts = torch.randint(1, T // BS, (B, 3), device="cuda", generator=gen) * BS
+        t = torch.arange(T, device="cuda")
+        doc = torch.where(t[None, None, :] >= cuts[:, :, None], cuts[:, :, None], 0).amax(1).int()
+
+    def triton_launch(*args, **outputs):
+        triton_fwd(*args[:5], BS, *args[5:], **outputs)
+
+    want = _forward(triton_launch, q.float(), k.float(), v.float(), bits, doc, window)
+    got = {"gluon": _forward(gluon_selected_window.gluon_fwd, q, k, v, bits, doc, window),
+           "triton bf16": _forward(triton_launch, q, k, v, bits, doc, window)}
+    torch.cuda.synchronize()
+    for kernel, outputs in got.items():
+        for name, x, w in zip(["o_slc", "o_win"], outputs[:2], want[:2]):
+            assert not x.isnan().any(), f"{kernel}: {name} has NaN (unwritten rows?)"
+            err = _rel_err(x, w)
+            assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
+        for name, x, w in zip(["lse_slc", "lse_win"], outputs[2:], want[2:]):
+            assert torch.equal(x.isinf(), w.isinf()), f"{kernel}: {name} is -inf in other rows"
+            finite = w.isfinite()
+            assert not x.isnan().any(), f"{kernel}: {name} has NaN"
+            diff = (x[finite] - w[finite]).abs().max().item()
+            assert diff <= 1e-2, f"{kernel}: {name} differs by {diff:.2e}"
+
+
+def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, with
+    the fused selected + window sweep."""
+    args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
+    args.nsa = dataclasses.replace(args.nsa, backend="triton", window_backend="fused_with_selected",
+                                   separate_kv=False, selected_kernels=kernels)
+    check_backend(args.nsa, tokens.device, torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=tokens.device)
+    model.init_weights()
+    model = model.to(torch.bfloat16)
+    logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
+def test_model_block_with_the_gluon_fused_forward_matches_triton(flavor: str, monkeypatch):
+    calls = []
+    launch = gluon_selected_window.gluon_fwd
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd",
+                        lambda *a, **kw: (calls.append("gluon_fwd"), launch(*a, **kw))[1])
+    tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    want_logits, want_grads = _model_run(flavor, "triton", tokens)
+    assert calls == []
+    got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
+    assert calls == ["gluon_fwd"]
+    errors = {"logits": _rel_err(got_logits, want_logits)}
+    errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-2, f"{worst}: relative error {errors[worst]:.2e}"
