@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from nsa_models.nsa.gluon_selected import _mma_layout, _row_layout
 from nsa_models.nsa.triton_common import LOG2E
 
 _NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a query tile's rows
@@ -38,19 +39,6 @@ _BM = 64  # rows (queries x heads) of a query tile
 _BN = 64  # keys a step: one selection block
 _STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
 _HEAD_DIMS = (64, 128)
-
-
-@gluon.constexpr_function
-def _row_layout(cols, num_warps):
-    """Registers of a [rows, cols] bf16 tile for global memory: 8 consecutive elements (16 bytes) per thread."""
-    lanes = cols // 8
-    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _mma_layout(n, num_warps):
-    """wgmma accumulator layout of a [64, n] tile."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
