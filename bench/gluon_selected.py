@@ -5,9 +5,9 @@ other rows per step / warps it supports). Prints ms per call (triton.testing.do_
 reaches on the useful work per (query row, chosen block) pair, whatever the padding of a step's rows: 4 * l' * D
 FLOPs forward (QK^T, PV), 8 * l' * D backward (QK^T, dO V^T, P^T dO, dS^T Q) and 10 * l' * D with the dQ term.
 
-`fused`: the fused selected + window forward (`triton_selected_window.triton_fwd` against
-`gluon_selected_window.gluon_fwd`) at 2k-4k, on random valid choices; TFLOP/s over the whole causal prefix it walks
-(4 * D FLOPs per (row, key) up to the row's query, twice in the window's steps, as the kernels do them).
+`fused`: the fused selected + window forward and dQ kernels, Triton's (`triton_selected_window.triton_fwd`,
+`triton_bwd_dq`) against Gluon's (`gluon_selected_window`) at 2k-4k, on random valid choices; TFLOP/s over the
+causal prefix they walk (`time_fused`).
 
 Also the place the GPU test builds its launches from (`ItemLaunch`, `DkdvLaunch`), so both run the kernels exactly
 as the forward and backward ops do.
@@ -33,7 +33,7 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     gluon_bwd_dkdv_items,
     gluon_fwd_items,
 )
-from nsa_models.nsa.gluon_selected_window import gluon_fwd  # noqa: E402
+from nsa_models.nsa.gluon_selected_window import gluon_bwd_dq, gluon_fwd  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
@@ -44,7 +44,7 @@ from nsa_models.nsa.triton_selected import (  # noqa: E402
     _item_args,
     reverse_index,
 )
-from nsa_models.nsa.triton_selected_window import chosen_bits, triton_fwd  # noqa: E402
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dq, triton_fwd  # noqa: E402
 
 BS, N_SEL = 64, 16  # l' and n of every flavor
 SHAPES = [  # name, B, T, H (KV heads), G, D
@@ -239,31 +239,40 @@ FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
 ]
 
 
-def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> tuple[float, float, float]:
-    """(Triton ms, Gluon ms, GFLOP over the walked prefix) of one shape's fused forward."""
+def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float]]:
+    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it) of one shape's fused forward and dQ kernel: per
+    (row, key) of the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, or dO v^T)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
     bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
-    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
+    o_slc, o_win, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     lse_slc, lse_win = (q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))
     outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
-    ms_triton = triton.testing.do_bench(lambda: triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs))
-    ms_gluon = triton.testing.do_bench(lambda: gluon_fwd(q, k, v, bits, None, window, D**-0.5, **outputs))
+    triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)
+    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc, lse_win=lse_win, dq=dq,
+                 delta_slc=(o_slc.float() * do_slc.float()).sum(-1), delta_win=(o_win.float() * do_win.float()).sum(-1))
     t = torch.arange(T, dtype=torch.float64)
-    gflop = 4 * D * B * H * G * float((t + 1).sum() + torch.clamp(t + 1, max=window).sum()) / 1e9
-    return ms_triton, ms_gluon, gflop
+    pairs = B * H * G * float((t + 1).sum()), B * H * G * float(torch.clamp(t + 1, max=window).sum())
+    bench = triton.testing.do_bench
+    return [("forward", bench(lambda: triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)),
+             bench(lambda: gluon_fwd(q, k, v, bits, None, window, D**-0.5, **outputs)),
+             2 * D * (2 * pairs[0] + pairs[1]) / 1e9),
+            ("dQ", bench(lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, D**-0.5, **grads)),
+             bench(lambda: gluon_bwd_dq(q, k, v, bits, None, window, D**-0.5, **grads)),
+             2 * D * (3 * pairs[0] + pairs[1]) / 1e9)]
 
 
 def bench_fused() -> None:
-    print("fused selected + window forward")
-    print(f"{'shape':<18} {'G':>2} {'D':>4} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} {'triton TF/s':>12} "
-          f"{'gluon TF/s':>11}")
+    print("fused selected + window kernels")
+    print(f"{'shape':<18} {'G':>2} {'D':>4} {'kernel':<8} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} "
+          f"{'triton TF/s':>12} {'gluon TF/s':>11}")
     for label, B, T, H, G, D, window in FUSED_SHAPES:
-        ms_triton, ms_gluon, gflop = time_fused(B, T, H, G, D, window)
+        for kernel, ms_triton, ms_gluon, gflop in time_fused(B, T, H, G, D, window):
+            print(f"{label:<18} {G:>2} {D:>4} {kernel:<8} {ms_triton:>10.3f} {ms_gluon:>9.3f} "
+                  f"{ms_triton / ms_gluon:>7.2f}x {gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f}")
         torch.cuda.empty_cache()
-        print(f"{label:<18} {G:>2} {D:>4} {ms_triton:>10.3f} {ms_gluon:>9.3f} {ms_triton / ms_gluon:>7.2f}x "
-              f"{gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -121,9 +121,10 @@ FUSED_CASES = [  # name, H (KV heads), G, D, T, documents
 ]
 
 
-def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple]:
-    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward and `selected_window_fwd` the Triton one, for
-    bf16 CPU tensors of this shape (one batch row, the window of nsa-125m: 512)."""
+def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple, tuple]:
+    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward, `selected_window_fwd` the Triton one and
+    `gluon_bwd_dq` the Gluon dQ kernel, for bf16 CPU tensors of this shape (one batch row, the window of nsa-125m:
+    512)."""
     q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
     k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
     bits = torch.zeros(1, H, T, dtype=torch.int64)
@@ -133,7 +134,9 @@ def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> 
         q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse), gluon_selected_window)
     triton_launch = record("_fwd_kernel", lambda: triton_selected_window.selected_window_fwd(
         q, k, v, bits, doc, BS, 512, D**-0.5), triton_selected_window)
-    return gluon_launch, triton_launch
+    dq_launch = record("_bwd_dq_kernel", lambda: gluon_selected_window.gluon_bwd_dq(
+        q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse, lse, lse, q), gluon_selected_window)
+    return gluon_launch, triton_launch, dq_launch
 
 
 def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
@@ -220,16 +223,17 @@ def main(parts: list[str]) -> int:
         label = f"triton {triton_kwargs['BR']:>3} rows {triton_kwargs['num_warps']} warps"
         print(f"  {label}: {summary(compile_launch(_bwd_dkdv_kernel, ASTSource, args, triton_kwargs))}")
     for name, H, G, D, T, documents in FUSED_CASES if "fused" in parts else []:
-        (args, kwargs), (triton_args, triton_kwargs) = recorded_fused_launches(H, G, D, T, documents)
-        label = f"fused selected + window forward {name}: H={H} G={G} D={D} T={T}"
-        try:
-            compiled = compile_launch(gluon_selected_window._fwd_kernel, GluonASTSource, args, kwargs)
-            print(f"{label}\n  gluon:  {summary(compiled)}")
-        except Exception as e:
-            failures += 1
-            print(f"FAILED {label}: {type(e).__name__}: {e}")
+        (args, kwargs), (triton_args, triton_kwargs), dq_launch = recorded_fused_launches(H, G, D, T, documents)
+        print(f"fused selected + window {name}: H={H} G={G} D={D} T={T}")
+        for label, kernel, launch in [("forward, gluon", gluon_selected_window._fwd_kernel, (args, kwargs)),
+                                      ("dQ, gluon", gluon_selected_window._bwd_dq_kernel, dq_launch)]:
+            try:
+                print(f"  {label}: {summary(compile_launch(kernel, GluonASTSource, *launch))}")
+            except Exception as e:
+                failures += 1
+                print(f"  FAILED {label}: {type(e).__name__}: {e}")
         compiled = compile_launch(triton_selected_window._fwd_kernel, ASTSource, triton_args, triton_kwargs)
-        print(f"  triton: {summary(compiled)}")
+        print(f"  forward, triton: {summary(compiled)}")
     return 1 if failures else 0
 
 

@@ -1,11 +1,13 @@
-"""The Gluon fused selected + window forward (`nsa_models/nsa/gluon_selected_window.py`) on a Hopper GPU, against
-the Triton fused forward run in fp32 on the same inputs (the oracle: tests/test_triton_selected_window.py checks
-it against the reference backend), with random bf16 inputs and random valid block choices: both outputs within
-1e-2 relative error, both log-sum-exps within 1e-2 where finite and -inf in the same rows. The Triton bf16 forward
-is held to the same bounds, so a failure names the kernel that moved.
+"""The Gluon fused selected + window kernels (`nsa_models/nsa/gluon_selected_window.py`: the forward and the
+backward's dQ) on a Hopper GPU, against the Triton fused kernels run in fp32 on the same inputs (the oracle:
+tests/test_triton_selected_window.py checks them against the reference backend), with random bf16 inputs and
+random valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-exps within 1e-2 where
+finite and -inf in the same rows; dQ (from the fp32 forward's lse and delta, random dO of each branch): within
+1e-2 relative error. The Triton bf16 kernels are held to the same bounds, so a failure names the kernel that moved.
 
 Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
-`selected_kernels = "gluon_hopper"` against "triton": logits and every gradient within 1e-2 relative error.
+`selected_kernels = "gluon_hopper"` (both Gluon kernels launched) against "triton": logits and every gradient
+within 1e-2 relative error.
 """
 
 import dataclasses
@@ -18,7 +20,7 @@ from bench.attention import random_block_indices
 from nsa_models import get_flavor
 from nsa_models.model import Transformer
 from nsa_models.nsa import check_backend, gluon_selected_window
-from nsa_models.nsa.triton_selected_window import chosen_bits, triton_fwd
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dq, triton_fwd
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,22 +51,30 @@ def _forward(launch, q, k, v, bits, doc, window) -> tuple[torch.Tensor, ...]:
     return o_slc, o_win, lse_slc, lse_win
 
 
-@pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
-def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+def _inputs(B: int, T: int, H: int, G: int, D: int, documents: bool) -> tuple[torch.Tensor, ...]:
+    """bf16 q, k, v, the chosen blocks' bits and (with documents: starting at random multiples of 64) doc_start."""
     gen = torch.Generator("cuda").manual_seed(T + G)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
     v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
     bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
     doc = None
-    if documents:  # documents starting at random multiples of 64
+    if documents:
         cuts = torch.randint(1, T // BS, (B, 3), device="cuda", generator=gen) * BS
         t = torch.arange(T, device="cuda")
         doc = torch.where(t[None, None, :] >= cuts[:, :, None], cuts[:, :, None], 0).amax(1).int()
+    return q, k, v, bits, doc
 
-    def triton_launch(*args, **outputs):
-        triton_fwd(*args[:5], BS, *args[5:], **outputs)
 
+def _with_block_size(triton_launch):
+    """A Triton launch called as the Gluon one is (no block size argument: the Gluon kernels' is 64)."""
+    return lambda *args, **tensors: triton_launch(*args[:5], BS, *args[5:], **tensors)
+
+
+@pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
+def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+    q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
+    triton_launch = _with_block_size(triton_fwd)
     want = _forward(triton_launch, q.float(), k.float(), v.float(), bits, doc, window)
     got = {"gluon": _forward(gluon_selected_window.gluon_fwd, q, k, v, bits, doc, window),
            "triton bf16": _forward(triton_launch, q, k, v, bits, doc, window)}
@@ -80,6 +90,32 @@ def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int
             assert not x.isnan().any(), f"{kernel}: {name} has NaN"
             diff = (x[finite] - w[finite]).abs().max().item()
             assert diff <= 1e-2, f"{kernel}: {name} differs by {diff:.2e}"
+
+
+@pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
+def test_gluon_fused_dq_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+    q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
+    o_slc, o_win, lse_slc, lse_win = _forward(_with_block_size(triton_fwd), q.float(), k.float(), v.float(), bits,
+                                              doc, window)
+    gen = torch.Generator("cuda").manual_seed(1)
+    do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    delta_slc, delta_win = ((o * do.float()).sum(-1) for o, do in ((o_slc, do_slc), (o_win, do_win)))
+    stats = dict(lse_slc=lse_slc, lse_win=lse_win, delta_slc=delta_slc, delta_win=delta_win)
+    scale = D ** -0.5
+
+    def dq_of(launch, q, k, v, do_slc, do_win):
+        dq = torch.full_like(q, float("nan"))
+        launch(q, k, v, bits, doc, window, scale, do_slc=do_slc, do_win=do_win, dq=dq, **stats)
+        return dq
+
+    want = dq_of(_with_block_size(triton_bwd_dq), q.float(), k.float(), v.float(), do_slc.float(), do_win.float())
+    got = {"gluon": dq_of(gluon_selected_window.gluon_bwd_dq, q, k, v, do_slc, do_win),
+           "triton bf16": dq_of(_with_block_size(triton_bwd_dq), q, k, v, do_slc, do_win)}
+    torch.cuda.synchronize()
+    for kernel, dq in got.items():
+        assert not dq.isnan().any(), f"{kernel}: dq has NaN (unwritten rows?)"
+        err = _rel_err(dq, want)
+        assert err <= 1e-2, f"{kernel}: dq relative error {err:.2e}"
 
 
 def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -101,16 +137,17 @@ def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
-def test_model_block_with_the_gluon_fused_forward_matches_triton(flavor: str, monkeypatch):
+def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, monkeypatch):
     calls = []
-    launch = gluon_selected_window.gluon_fwd
-    monkeypatch.setattr(gluon_selected_window, "gluon_fwd",
-                        lambda *a, **kw: (calls.append("gluon_fwd"), launch(*a, **kw))[1])
+    for name in ("gluon_fwd", "gluon_bwd_dq"):
+        launch = getattr(gluon_selected_window, name)
+        monkeypatch.setattr(gluon_selected_window, name,
+                            lambda *a, _launch=launch, _name=name, **kw: (calls.append(_name), _launch(*a, **kw))[1])
     tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     want_logits, want_grads = _model_run(flavor, "triton", tokens)
     assert calls == []
     got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
-    assert calls == ["gluon_fwd"]
+    assert calls == ["gluon_fwd", "gluon_bwd_dq"]
     errors = {"logits": _rel_err(got_logits, want_logits)}
     errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
     worst = max(errors, key=errors.get)

@@ -179,21 +179,25 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("documents", [False, True])
-def test_gluon_forward_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
-    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward is
-    `gluon_selected_window.gluon_fwd`'s, given what `triton_fwd` gets but the block size (the Gluon kernel's is
-    64) and writing the same outputs; the backward stays Triton's. Here (CPU) the Gluon launch is a recording
-    stand-in that runs `triton_fwd` on those arguments, so the outputs and gradients are the default path's, bit for
-    bit; the Gluon kernel itself runs in tests/test_gluon_selected_window.py (Hopper)."""
+def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward and the backward's dQ are
+    `gluon_selected_window.gluon_fwd` / `gluon_bwd_dq`'s, given what `triton_fwd` / `triton_bwd_dq` get but the
+    block size (the Gluon kernels' is 64) and writing the same outputs; dK/dV stays Triton's. Here (CPU) the Gluon
+    launches are recording stand-ins that run the Triton ones on those arguments, so the outputs and gradients are
+    the default path's, bit for bit; the Gluon kernels themselves run in tests/test_gluon_selected_window.py
+    (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
 
-    def gluon_fwd(q, k, v, bits, doc_start, window, scale, **outputs):
-        calls.append((q.shape, bits.shape, doc_start is not None, window, scale, sorted(outputs)))
-        sw.triton_fwd(q, k, v, bits, doc_start, BS, window, scale, **outputs)
+    def stand_in(name, triton_launch):
+        def launch(q, k, v, bits, doc_start, window, scale, **tensors):
+            calls.append((name, q.shape, bits.shape, doc_start is not None, window, scale, sorted(tensors)))
+            triton_launch(q, k, v, bits, doc_start, BS, window, scale, **tensors)
+        return launch
 
-    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", gluon_fwd)
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", stand_in("fwd", sw.triton_fwd))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", stand_in("dq", sw.triton_bwd_dq))
     B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
     gen = torch.Generator().manual_seed(3)
     doc = document_starts(B, T, gen) if documents else None
@@ -206,7 +210,8 @@ def test_gluon_forward_is_dispatched_with_the_triton_launch_arguments(documents:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         o_slc, o_win = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
         results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
-    assert calls == [(q.shape, (B, H, T), documents, window, D ** -0.5,
-                      ["lse_slc", "lse_win", "o_slc", "o_win"])]
+    shapes = (q.shape, (B, H, T), documents, window, D ** -0.5)
+    assert calls == [("fwd", *shapes, ["lse_slc", "lse_win", "o_slc", "o_win"]),
+                     ("dq", *shapes, ["delta_slc", "delta_win", "do_slc", "do_win", "dq", "lse_slc", "lse_win"])]
     for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name

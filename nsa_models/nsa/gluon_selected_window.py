@@ -104,6 +104,53 @@ def _write_rows(O, LSE, acc, m, l, rows, ok, s_rows, s_ok, d, D: gl.constexpr, o
     gl.store(LSE + s_rows, gl.where(l > 0, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), mask=s_ok)
 
 
+@gluon.jit
+def _tile(T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.constexpr):
+    """This program's query tile (grid: query tiles x batch * KV heads): the batch row times H plus the KV head,
+    batch, KV head, first query, key steps (to the tile's last query), the first step inside any of its rows'
+    windows (positions and steps in int32: shared-memory stages take int32 indices), and its keys' first row and
+    column in the [B * T, H * D] views (TMA coordinates: int32)."""
+    tile = gl.program_id(0)
+    bh = gl.program_id(1).to(gl.int64)
+    b, h = bh // H, bh % H
+    first = tile * QT
+    n_steps = (gl.minimum(first + QT, T) - 1) // BN + 1
+    win_step = gl.maximum(first - W + 1, 0) // BN
+    return bh, b, h, first, n_steps, win_step, (b * T).to(gl.int32), (h * D).to(gl.int32)
+
+
+@gluon.jit
+def _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+    """The key / value stages and their barriers, with the first STAGES steps' loads issued."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, i, n_steps, row0, col, STAGES, BN)
+    return k_smem, v_smem, bars
+
+
+@gluon.jit
+def _rows_to_shared(X, rows, ok, d, D: gl.constexpr, BM: gl.constexpr):
+    """A [BM, D] tile of rows of X (q or dO; 0 where not ok) in NVMMA-swizzled shared memory, once per program."""
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D],
+                                                                                                  gl.bfloat16))
+    x_smem.store(gl.load(X + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0))
+    return x_smem
+
+
+@gluon.jit
+def _tile_rows(first, b, h, T, H: gl.constexpr, G: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr,
+               layout: gl.constexpr):
+    """Row r of the tile (head r % G of query first + r // G): its query's position, whether it exists, and its
+    offset in [B * T * HQ] rows (int64)."""
+    r = gl.arange(0, BM, layout=layout)
+    t = first + r // G
+    return t, (r < QT * G) & (t < T), (b * T + t) * (H * G) + h * G + r % G
+
+
 @gluon.jit(do_not_specialize=["T", "W"])
 def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: gl.constexpr,
                 G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -116,42 +163,19 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
 
-    tile = gl.program_id(0)  # positions and steps in int32 (shared-memory stages take int32 indices)
-    bh = gl.program_id(1).to(gl.int64)
-    b, h = bh // H, bh % H
-    first = tile * QT
-    n_steps = (gl.minimum(first + QT, T) - 1) // BN + 1
-    win_step = gl.maximum(first - W + 1, 0) // BN  # the first key step inside any row's window
-    row0 = (b * T).to(gl.int32)  # the batch's first row of the [B * T, H * D] key / value views (TMA: int32)
-    col = (h * D).to(gl.int32)
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, i, n_steps, row0, col, STAGES, BN)
-
+    bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES, BN, D)
     # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
-    r = gl.arange(0, BM, layout=row_l)
-    t = first + r // G
-    ok = (r < QT * G) & (t < T)  # rows below: int64 offsets
-    rows = (b * T + t) * (H * G) + h * G + r % G
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], q_sl)
-    q_smem.store(gl.load(Q + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0))
+    t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
+    q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
     fence_async_shared()
     gl.thread_barrier()
 
     # Per-row values in S's layout: positions, which exist, the query's chosen blocks, its document's start.
-    sr = gl.arange(0, BM, layout=srow_l)
-    st = first + sr // G
-    s_ok = (sr < QT * G) & (st < T)
-    s_rows = (b * T + st) * (H * G) + h * G + sr % G
+    st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
     word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
     if DOC_MASK:
         doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
@@ -227,10 +251,138 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     _write_rows(O_WIN, LSE_WIN, acc_w, m_w, l_w, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
 
 
+@gluon.jit
+def _issue_dp(do_smem, v_smem, step, STAGES: gl.constexpr, s_l: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr):
+    """dP = dO v^T of key step `step` on wgmma (asynchronous; its values have arrived with its keys)."""
+    return warpgroup_mma(do_smem, v_smem.index(step % STAGES).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _row_stats(LSE, DELTA, s_rows, s_ok):
+    """One branch's per-row backward inputs in S's layout: lse in log2 units and delta."""
+    lse = gl.load(LSE + s_rows, mask=s_ok, other=0.0) * 1.4426950408889634
+    return lse, gl.load(DELTA + s_rows, mask=s_ok, other=0.0)
+
+
+@gluon.jit
+def _ds_term(s, dp, lse, delta, visible):
+    """One branch's part of dS = P (dP - delta), P recomputed from the forward's lse where visible."""
+    return gl.where(visible, gl.exp2(s - lse[:, None]), 0.0) * (dp - delta[:, None])
+
+
+@gluon.jit(do_not_specialize=["T", "W"])
+def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W,
+                   qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr):
+    """As `triton_selected_window._bwd_dq_kernel` (grid: query tiles x batch * KV heads): dQ of a tile's rows over
+    its causal prefix, both branches' P recomputed from their lse. Each step j + 1's S and dP products are issued
+    before step j's dQ += dS k, and step j + 1's dS is computed while that product runs; dS reaches the product
+    through shared memory, as the forward's P."""
+    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
+    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
+
+    bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES, BN, D)
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+    t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
+    q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
+    dos_smem = _rows_to_shared(DO_SLC, rows, ok, d, D, BM)
+    dow_smem = _rows_to_shared(DO_WIN, rows, ok, d, D, BM)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
+                                                                                                    gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
+    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    if DOC_MASK:
+        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
+    else:
+        doc = st
+    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
+    lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
+    u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    dq = gl.zeros([BM, D], gl.float32, o_l)
+
+    # Step 0's dS, before the loops.
+    s = _issue_scores(q_smem, k_smem, bars, 0, STAGES, s_l, BM, BN)
+    dp = _issue_dp(dos_smem, v_smem, 0, STAGES, s_l, BM, BN)
+    dp_w = _issue_dp(dow_smem, v_smem, 0, STAGES, s_l, BM, BN)
+    s, dp, dp_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dp_w))
+    s = s * qk_scale
+    pos = u.to(gl.int32)
+    ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, 0, pos, st))
+    ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+    ds_smem.store(ds.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Steps before the window: the selected branch's dP alone (the window's, at the window's first step, after).
+    for j in range(0, win_step):
+        s = _issue_scores(q_smem, k_smem, bars, j + 1, STAGES, s_l, BM, BN)
+        dp = _issue_dp(dos_smem, v_smem, j + 1, STAGES, s_l, BM, BN)
+        dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
+        s = s * qk_scale
+        pos = ((j + 1) * BN + u).to(gl.int32)
+        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+        if j + 1 == win_step:
+            dp_w = warpgroup_mma(dow_smem, v_smem.index((j + 1) % STAGES).permute((1, 0)),
+                                 gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
+            ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        ds_smem.store(ds.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+
+    # The window's steps; the last iteration's "next" step recomputes the last one, fully masked (dS = 0).
+    for j in range(win_step, n_steps):
+        nxt = gl.minimum(j + 1, n_steps - 1)
+        s = _issue_scores(q_smem, k_smem, bars, nxt, STAGES, s_l, BM, BN)
+        dp = _issue_dp(dos_smem, v_smem, nxt, STAGES, s_l, BM, BN)
+        dp_w = _issue_dp(dow_smem, v_smem, nxt, STAGES, s_l, BM, BN)
+        dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
+        s, dp, dp_w = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp, dp_w))
+        s = s * qk_scale
+        pos = ((j + 1) * BN + u).to(gl.int32)
+        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+        ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        ds_smem.store(ds.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    gl.store(DQ + rows[:, None] * D + d[None, :], gl.convert_layout((dq * scale).to(gl.bfloat16), rows_l),
+             mask=ok[:, None])
+
+
 def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int) -> bool:
     """Whether the Gluon forward runs these inputs: bf16, 16-byte aligned, head dim 64 or 128, blocks of 64 keys."""
     return (all(x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 for x in (q, k, v))
             and q.shape[-1] in _HEAD_DIMS and block_size == _BN)
+
+
+def _launch_args(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None) -> tuple[tuple[int, int], dict]:
+    """The grid and the keyword arguments both kernels take for these inputs (ValueError where they do not run)."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    if not supported(q, k, q, _BN) or G > _BM:
+        raise ValueError(f"gluon_selected_window: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS} and at most "
+                         f"{_BM} query heads per KV head; got {q.dtype}, D = {D}, G = {G}")
+    QT = _BM // G
+    return (-(-T // QT), B * H), dict(H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN, DOC_MASK=doc_start is not None,
+                                      STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS)
 
 
 def _step_descriptor(x: Tensor) -> TensorDescriptor:
@@ -247,15 +399,18 @@ def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor |
     """Launch the Gluon forward into o_slc, o_win [B, T, HQ, D] and lse_slc, lse_win [B, T, HQ] (natural log), as
     `selected_window_fwd` launches the Triton kernel: q [B, T, HQ, D], k, v [B, T, H, D] contiguous, bits
     (`chosen_bits`) [B, H, T] int64, doc_start [B, T] int32 or None."""
-    B, T, HQ, D = q.shape
-    H = k.shape[2]
-    G = HQ // H
-    if not supported(q, k, v, _BN) or G > _BM:
-        raise ValueError(f"gluon_selected_window: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS} and at most "
-                         f"{_BM} query heads per KV head; got {q.dtype}, D = {D}, G = {G}")
-    QT = _BM // G
+    grid, meta = _launch_args(q, k, bits, doc_start)
     doc = doc_start if doc_start is not None else bits  # a placeholder pointer, never read
-    _fwd_kernel[(-(-T // QT), B * H)](q, _step_descriptor(k), _step_descriptor(v), bits, doc, o_slc, o_win, lse_slc,
-                                      lse_win, T, window, scale * LOG2E, H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN,
-                                      DOC_MASK=doc_start is not None, STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS,
-                                      num_warps=_NUM_WARPS)
+    _fwd_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), bits, doc, o_slc, o_win, lse_slc, lse_win,
+                      q.shape[1], window, scale * LOG2E, **meta)
+
+
+def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int, scale: float,
+                 do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
+                 delta_win: Tensor, dq: Tensor) -> None:
+    """Launch the Gluon dQ kernel into dq [B, T, HQ, D], as `selected_window_bwd` launches the Triton one: the
+    forward's inputs, each branch's dO (contiguous), natural-log lse and delta [B, T, HQ] (fp32)."""
+    grid, meta = _launch_args(q, k, bits, doc_start)
+    doc = doc_start if doc_start is not None else bits
+    _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), bits, doc, do_slc, do_win, lse_slc, lse_win,
+                         delta_slc, delta_win, dq, q.shape[1], window, scale * LOG2E, scale, **meta)

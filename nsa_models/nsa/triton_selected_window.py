@@ -326,33 +326,50 @@ def _(q, k, v, bits, doc_start, block_size, window, scale, kernels="triton"):
 @torch.library.custom_op("nsa::selected_window_bwd", mutates_args=())
 def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
                         lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
-                        doc_start: Tensor | None, block_size: int, window: int,
-                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32)."""
+                        doc_start: Tensor | None, block_size: int, window: int, scale: float,
+                        kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
+    kernels as the forward's: "gluon_hopper" runs `gluon_selected_window`'s dQ kernel (dK/dV stays Triton's)."""
     q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
     bits = bits.contiguous()
     B, T, H = q.shape[0], q.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grads = dict(DO_SLC=do_slc, DO_WIN=do_win, LSE_SLC=lse_slc.contiguous(), LSE_WIN=lse_win.contiguous(),
-                 DELTA_SLC=delta_slc.contiguous(), DELTA_WIN=delta_win.contiguous(), scale=scale)
-    args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
-    k_op, v_op = _operands(k, v, args)
-    _bwd_dq_kernel[(tiles, B * H)](q, k_op, v_op, DQ=dq, **grads, **args)
+    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
+                 delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
+    if kernels == "gluon_hopper":
+        from nsa_models.nsa import gluon_selected_window
+
+        gluon_selected_window.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
+    else:
+        triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
     args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
     k_op, v_op = _operands(k, v, args)
-    _bwd_dkdv_kernel[(triton.cdiv(T, args["BN"]), B * H)](q, k_op, v_op, DK=dk, DV=dv, **grads, **args)
+    _bwd_dkdv_kernel[(triton.cdiv(T, args["BN"]), B * H)](q, k_op, v_op, DK=dk, DV=dv, scale=scale,
+                                                          **{key.upper(): x for key, x in grads.items()}, **args)
     return dq, dk, dv
 
 
+def triton_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
+                  window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
+                  delta_slc: Tensor, delta_win: Tensor, dq: Tensor) -> None:
+    """Launch the Triton dQ kernel into dq (as `gluon_selected_window.gluon_bwd_dq`, with the block size)."""
+    args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
+    k_op, v_op = _operands(k, v, args)
+    _bwd_dq_kernel[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, DO_SLC=do_slc, DO_WIN=do_win,
+                                                    LSE_SLC=lse_slc, LSE_WIN=lse_win, DELTA_SLC=delta_slc,
+                                                    DELTA_WIN=delta_win, scale=scale, **args)
+
+
 @selected_window_bwd.register_fake
-def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window, scale):
+def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window, scale,
+      kernels="triton"):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bits, doc_start, block_size, window, scale, _ = inputs  # the backward's kernels are Triton's
+    q, k, v, bits, doc_start, block_size, window, scale, kernels = inputs
     ctx.save_for_backward(*output, q, k, v, bits, doc_start)
-    ctx.block_size, ctx.window, ctx.scale = block_size, window, scale
+    ctx.block_size, ctx.window, ctx.scale, ctx.kernels = block_size, window, scale, kernels
 
 
 def _backward(ctx, do_slc, do_win, dlse_slc, dlse_win):
@@ -360,7 +377,7 @@ def _backward(ctx, do_slc, do_win, dlse_slc, dlse_win):
     delta_slc = triton_common.softmax_delta(o_slc, do_slc, dlse_slc)
     delta_win = triton_common.softmax_delta(o_win, do_win, dlse_win)
     dq, dk, dv = selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
-                                     doc_start, ctx.block_size, ctx.window, ctx.scale)
+                                     doc_start, ctx.block_size, ctx.window, ctx.scale, ctx.kernels)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -380,7 +397,7 @@ def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Te
                               kernels: str = "triton") -> tuple[Tensor, Tensor]:
     """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
     [B, H, T, n] int64 (-1: none); doc_start [B, T] int32 (multiples of block_size) or None; kernels: the
-    forward's (`selected_window_fwd`; the backward's are Triton's)."""
+    forward's and dQ's (`selected_window_fwd`, `selected_window_bwd`)."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
