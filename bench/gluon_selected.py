@@ -33,7 +33,7 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     gluon_bwd_dkdv_items,
     gluon_fwd_items,
 )
-from nsa_models.nsa.gluon_selected_window import gluon_bwd_dq, gluon_fwd  # noqa: E402
+from nsa_models.nsa.gluon_selected_window import gluon_bwd_dkdv, gluon_bwd_dq, gluon_fwd  # noqa: E402
 from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
@@ -44,7 +44,12 @@ from nsa_models.nsa.triton_selected import (  # noqa: E402
     _item_args,
     reverse_index,
 )
-from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dq, triton_fwd  # noqa: E402
+from nsa_models.nsa.triton_selected_window import (  # noqa: E402
+    chosen_bits,
+    triton_bwd_dkdv,
+    triton_bwd_dq,
+    triton_fwd,
+)
 
 BS, N_SEL = 64, 16  # l' and n of every flavor
 SHAPES = [  # name, B, T, H (KV heads), G, D
@@ -240,18 +245,20 @@ FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
 
 
 def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float]]:
-    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it) of one shape's fused forward and dQ kernel: per
-    (row, key) of the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, or dO v^T)."""
+    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it) of one shape's fused forward, dQ and dK/dV
+    kernels: per (row, key) of the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, dO v^T)
+    or two (dK/dV: dO_w v^T and P_w^T dO_w)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
     do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
     bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
     o_slc, o_win, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     lse_slc, lse_win = (q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))
     outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
     triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)
-    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc, lse_win=lse_win, dq=dq,
+    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc, lse_win=lse_win,
                  delta_slc=(o_slc.float() * do_slc.float()).sum(-1), delta_win=(o_win.float() * do_win.float()).sum(-1))
     t = torch.arange(T, dtype=torch.float64)
     pairs = B * H * G * float((t + 1).sum()), B * H * G * float(torch.clamp(t + 1, max=window).sum())
@@ -259,9 +266,12 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
     return [("forward", bench(lambda: triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)),
              bench(lambda: gluon_fwd(q, k, v, bits, None, window, D**-0.5, **outputs)),
              2 * D * (2 * pairs[0] + pairs[1]) / 1e9),
-            ("dQ", bench(lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, D**-0.5, **grads)),
-             bench(lambda: gluon_bwd_dq(q, k, v, bits, None, window, D**-0.5, **grads)),
-             2 * D * (3 * pairs[0] + pairs[1]) / 1e9)]
+            ("dQ", bench(lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, D**-0.5, **grads, dq=dq)),
+             bench(lambda: gluon_bwd_dq(q, k, v, bits, None, window, D**-0.5, **grads, dq=dq)),
+             2 * D * (3 * pairs[0] + pairs[1]) / 1e9),
+            ("dK/dV", bench(lambda: triton_bwd_dkdv(q, k, v, bits, None, BS, window, D**-0.5, **grads, dk=dk, dv=dv)),
+             bench(lambda: gluon_bwd_dkdv(q, k, v, bits, None, window, D**-0.5, **grads, dk=dk, dv=dv)),
+             2 * D * (4 * pairs[0] + 2 * pairs[1]) / 1e9)]
 
 
 def bench_fused() -> None:

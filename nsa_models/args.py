@@ -81,8 +81,8 @@ class NSAArgs:
     """Key-block-major kernels of the `triton` backend's selected branch: the forward's item kernel and the
     backward's dK/dV kernel (`triton_selected`), or their Gluon versions written for Hopper (`gluon_selected`:
     cp.async gathers double-buffered, wgmma products); with window_backend = "fused_with_selected", that sweep's
-    forward and dQ kernels too (`gluon_selected_window`: TMA stages, the softmax overlapped with the products;
-    untimed). The
+    forward, dQ and dK/dV kernels too (`gluon_selected_window`: TMA stages, the softmax overlapped with the
+    products; untimed). The
     query-tile kernels and the rest stay Triton's. Gluon runs
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable path.

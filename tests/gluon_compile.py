@@ -121,10 +121,10 @@ FUSED_CASES = [  # name, H (KV heads), G, D, T, documents
 ]
 
 
-def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple, tuple]:
-    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward, `selected_window_fwd` the Triton one and
-    `gluon_bwd_dq` the Gluon dQ kernel, for bf16 CPU tensors of this shape (one batch row, the window of nsa-125m:
-    512)."""
+def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple, tuple, tuple]:
+    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward, `selected_window_fwd` the Triton one, and
+    `gluon_bwd_dq` / `gluon_bwd_dkdv` the Gluon backward kernels, for bf16 CPU tensors of this shape (one batch
+    row, the window of nsa-125m: 512)."""
     q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
     k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
     bits = torch.zeros(1, H, T, dtype=torch.int64)
@@ -136,7 +136,9 @@ def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> 
         q, k, v, bits, doc, BS, 512, D**-0.5), triton_selected_window)
     dq_launch = record("_bwd_dq_kernel", lambda: gluon_selected_window.gluon_bwd_dq(
         q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse, lse, lse, q), gluon_selected_window)
-    return gluon_launch, triton_launch, dq_launch
+    dkdv_launch = record("_bwd_dkdv_kernel", lambda: gluon_selected_window.gluon_bwd_dkdv(
+        q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse, lse, lse, k, k), gluon_selected_window)
+    return gluon_launch, triton_launch, dq_launch, dkdv_launch
 
 
 def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
@@ -223,10 +225,12 @@ def main(parts: list[str]) -> int:
         label = f"triton {triton_kwargs['BR']:>3} rows {triton_kwargs['num_warps']} warps"
         print(f"  {label}: {summary(compile_launch(_bwd_dkdv_kernel, ASTSource, args, triton_kwargs))}")
     for name, H, G, D, T, documents in FUSED_CASES if "fused" in parts else []:
-        (args, kwargs), (triton_args, triton_kwargs), dq_launch = recorded_fused_launches(H, G, D, T, documents)
+        (args, kwargs), (triton_args, triton_kwargs), dq_launch, dkdv_launch = recorded_fused_launches(
+            H, G, D, T, documents)
         print(f"fused selected + window {name}: H={H} G={G} D={D} T={T}")
         for label, kernel, launch in [("forward, gluon", gluon_selected_window._fwd_kernel, (args, kwargs)),
-                                      ("dQ, gluon", gluon_selected_window._bwd_dq_kernel, dq_launch)]:
+                                      ("dQ, gluon", gluon_selected_window._bwd_dq_kernel, dq_launch),
+                                      ("dK/dV, gluon", gluon_selected_window._bwd_dkdv_kernel, dkdv_launch)]:
             try:
                 print(f"  {label}: {summary(compile_launch(kernel, GluonASTSource, *launch))}")
             except Exception as e:

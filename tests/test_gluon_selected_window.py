@@ -1,12 +1,12 @@
-"""The Gluon fused selected + window kernels (`nsa_models/nsa/gluon_selected_window.py`: the forward and the
-backward's dQ) on a Hopper GPU, against the Triton fused kernels run in fp32 on the same inputs (the oracle:
-tests/test_triton_selected_window.py checks them against the reference backend), with random bf16 inputs and
-random valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-exps within 1e-2 where
-finite and -inf in the same rows; dQ (from the fp32 forward's lse and delta, random dO of each branch): within
+"""The Gluon fused selected + window kernels (`nsa_models/nsa/gluon_selected_window.py`: the forward, the backward's dQ
+and dK/dV) on a Hopper GPU, against the Triton fused kernels run in fp32 on the same inputs (the oracle:
+tests/test_triton_selected_window.py checks them against the reference backend), with random bf16 inputs and random
+valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-exps within 1e-2 where finite
+and -inf in the same rows; dQ, dK and dV (from the fp32 forward's lse and delta, random dO of each branch): within
 1e-2 relative error. The Triton bf16 kernels are held to the same bounds, so a failure names the kernel that moved.
 
 Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
-`selected_kernels = "gluon_hopper"` (both Gluon kernels launched) against "triton": logits and every gradient
+`selected_kernels = "gluon_hopper"` (the three Gluon kernels launched) against "triton": logits and every gradient
 within 1e-2 relative error.
 """
 
@@ -20,7 +20,7 @@ from bench.attention import random_block_indices
 from nsa_models import get_flavor
 from nsa_models.model import Transformer
 from nsa_models.nsa import check_backend, gluon_selected_window
-from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dq, triton_fwd
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,7 +93,7 @@ def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int
 
 
 @pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
-def test_gluon_fused_dq_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
     q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
     o_slc, o_win, lse_slc, lse_win = _forward(_with_block_size(triton_fwd), q.float(), k.float(), v.float(), bits,
                                               doc, window)
@@ -103,19 +103,24 @@ def test_gluon_fused_dq_matches_fp32(B: int, T: int, H: int, G: int, D: int, win
     stats = dict(lse_slc=lse_slc, lse_win=lse_win, delta_slc=delta_slc, delta_win=delta_win)
     scale = D ** -0.5
 
-    def dq_of(launch, q, k, v, do_slc, do_win):
-        dq = torch.full_like(q, float("nan"))
-        launch(q, k, v, bits, doc, window, scale, do_slc=do_slc, do_win=do_win, dq=dq, **stats)
-        return dq
+    def grads_of(dq_launch, dkdv_launch, q, k, v, do_slc, do_win):
+        dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+        inputs = (q, k, v, bits, doc, window, scale)
+        dq_launch(*inputs, do_slc=do_slc, do_win=do_win, dq=dq, **stats)
+        dkdv_launch(*inputs, do_slc=do_slc, do_win=do_win, dk=dk, dv=dv, **stats)
+        return dq, dk, dv
 
-    want = dq_of(_with_block_size(triton_bwd_dq), q.float(), k.float(), v.float(), do_slc.float(), do_win.float())
-    got = {"gluon": dq_of(gluon_selected_window.gluon_bwd_dq, q, k, v, do_slc, do_win),
-           "triton bf16": dq_of(_with_block_size(triton_bwd_dq), q, k, v, do_slc, do_win)}
+    triton_launches = _with_block_size(triton_bwd_dq), _with_block_size(triton_bwd_dkdv)
+    want = grads_of(*triton_launches, q.float(), k.float(), v.float(), do_slc.float(), do_win.float())
+    got = {"gluon": grads_of(gluon_selected_window.gluon_bwd_dq, gluon_selected_window.gluon_bwd_dkdv, q, k, v,
+                             do_slc, do_win),
+           "triton bf16": grads_of(*triton_launches, q, k, v, do_slc, do_win)}
     torch.cuda.synchronize()
-    for kernel, dq in got.items():
-        assert not dq.isnan().any(), f"{kernel}: dq has NaN (unwritten rows?)"
-        err = _rel_err(dq, want)
-        assert err <= 1e-2, f"{kernel}: dq relative error {err:.2e}"
+    for kernel, grads in got.items():
+        for name, x, w in zip(["dq", "dk", "dv"], grads, want):
+            assert not x.isnan().any(), f"{kernel}: {name} has NaN (unwritten rows?)"
+            err = _rel_err(x, w)
+            assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
 
 
 def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -139,7 +144,7 @@ def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.T
 @pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
 def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, monkeypatch):
     calls = []
-    for name in ("gluon_fwd", "gluon_bwd_dq"):
+    for name in ("gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"):
         launch = getattr(gluon_selected_window, name)
         monkeypatch.setattr(gluon_selected_window, name,
                             lambda *a, _launch=launch, _name=name, **kw: (calls.append(_name), _launch(*a, **kw))[1])
@@ -147,7 +152,7 @@ def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, mo
     want_logits, want_grads = _model_run(flavor, "triton", tokens)
     assert calls == []
     got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
-    assert calls == ["gluon_fwd", "gluon_bwd_dq"]
+    assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
     errors = {"logits": _rel_err(got_logits, want_logits)}
     errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
     worst = max(errors, key=errors.get)

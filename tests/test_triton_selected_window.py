@@ -180,12 +180,12 @@ def test_refusals():
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
-    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward and the backward's dQ are
-    `gluon_selected_window.gluon_fwd` / `gluon_bwd_dq`'s, given what `triton_fwd` / `triton_bwd_dq` get but the
-    block size (the Gluon kernels' is 64) and writing the same outputs; dK/dV stays Triton's. Here (CPU) the Gluon
-    launches are recording stand-ins that run the Triton ones on those arguments, so the outputs and gradients are
-    the default path's, bit for bit; the Gluon kernels themselves run in tests/test_gluon_selected_window.py
-    (Hopper)."""
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward, dQ and dK/dV are
+    `gluon_selected_window.gluon_fwd` / `gluon_bwd_dq` / `gluon_bwd_dkdv`'s, given what the Triton launches
+    (`triton_fwd`, `triton_bwd_dq`, `triton_bwd_dkdv`) get but the block size (the Gluon kernels' is 64) and writing
+    the same outputs. Here (CPU) the Gluon launches are recording stand-ins that run the Triton ones on those
+    arguments, so the outputs and gradients are the default path's, bit for bit; the Gluon kernels themselves run
+    in tests/test_gluon_selected_window.py (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
@@ -198,6 +198,7 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents
 
     monkeypatch.setattr(gluon_selected_window, "gluon_fwd", stand_in("fwd", sw.triton_fwd))
     monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", stand_in("dq", sw.triton_bwd_dq))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv", stand_in("dkdv", sw.triton_bwd_dkdv))
     B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
     gen = torch.Generator().manual_seed(3)
     doc = document_starts(B, T, gen) if documents else None
@@ -211,7 +212,8 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents
         o_slc, o_win = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
         results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
     shapes = (q.shape, (B, H, T), documents, window, D ** -0.5)
+    stats = ["delta_slc", "delta_win", "do_slc", "do_win", "lse_slc", "lse_win"]
     assert calls == [("fwd", *shapes, ["lse_slc", "lse_win", "o_slc", "o_win"]),
-                     ("dq", *shapes, ["delta_slc", "delta_win", "do_slc", "do_win", "dq", "lse_slc", "lse_win"])]
+                     ("dq", *shapes, sorted(stats + ["dq"])), ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
     for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name

@@ -1,19 +1,24 @@
-"""The fused selected + window forward (`triton_selected_window._fwd_kernel`) in Gluon for Hopper (sm_90): the same
-inputs, outputs and arithmetic, written the way FlashAttention-3 overlaps a tile's work.
+"""The fused selected + window kernels (`triton_selected_window`: forward, dQ, dK/dV) in Gluon for Hopper (sm_90):
+the same inputs, outputs and arithmetic, written the way FlashAttention-3 overlaps a tile's work.
 
-A query tile (QT queries x their G heads, 64 rows) walks its causal prefix 64 keys a step, as the Triton kernel does.
-What this kernel states instead of leaving to Triton's compiler:
-- key and value steps arrive by TMA into a ring of shared-memory stages, a step's load issued as soon as the step
-  STAGES earlier has freed its stage, and signalled on an mbarrier (no address arithmetic, no registers);
-- the tile's query rows stay in NVMMA-swizzled shared memory for the whole program; both products run on wgmma with
-  fp32 accumulators, P fed from registers;
-- the tensor cores and the softmax overlap: while step j's P V products run, step j + 1's S = q k^T has already
-  been issued and its softmax runs on the CUDA cores, so the softmax's exponentials (D = 64: as long as the
-  products) hide behind the matrix work instead of following it.
-The steps before the tile's window feed the selected softmax alone; the window's steps feed both, from one S.
+Forward and dQ: a query tile (QT queries x their G heads, 64 rows) walks its causal prefix 64 keys a step, as the
+Triton kernels do. What they state instead of leaving to Triton's compiler:
+- key and value steps arrive by TMA into a ring of shared-memory stages, a step's load issued as soon as every warp
+  is past the step that last used its stage, and signalled on an mbarrier (no address arithmetic, no registers);
+- the tile's query (and dO) rows stay in NVMMA-swizzled shared memory for the whole program; every product runs on
+  wgmma with fp32 accumulators;
+- the tensor cores and the CUDA cores overlap: step j + 1's S (and dP) products are issued before step j's P V
+  (dQ += dS k), and step j + 1's softmax (dS) runs while those run;
+- P and dS reach their products through shared memory: fed from registers, their bf16 pairs were packed inside the
+  pipeline stage of the S product already issued, and ptxas serialized every wgmma (its warning C7513).
+The steps before the tile's window feed the selected branch alone; the window's steps feed both, from one S.
 
-Supported: bf16, head dim 64 or 128, selection blocks of 64 keys (`supported`); the caller keeps the Triton kernel
-elsewhere.
+dK/dV: one program per 64 keys walks the query tiles that see them (q and dO rows gathered by cp.async three tiles
+deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
+split the columns.
+
+Supported: bf16, head dim 64 or 128, selection blocks of 64 keys, at most 64 query heads per KV head
+(`supported`); the caller keeps the Triton kernels elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -39,6 +45,15 @@ _BM = 64  # rows (queries x heads) of a query tile
 _BN = 64  # keys a step: one selection block
 _STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
 _HEAD_DIMS = (64, 128)
+_DKDV_WARPS = 8  # the dK/dV kernel's: two warpgroups splitting the columns
+
+
+@gluon.constexpr_function
+def _column_split_layout(n, num_warps):
+    """wgmma accumulator layout of a [64, n] tile on num_warps (4 or 8): one warpgroup's 64 rows, the columns split
+    between warpgroups (no row reduction needs a whole row in one warp: the dK/dV kernel's)."""
+    groups = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, n // groups, 16])
 
 
 @gluon.jit
@@ -366,6 +381,182 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
              mask=ok[:, None])
 
 
+@gluon.jit
+def _gather_tile(Q, DO_SLC, DO_WIN, q_buf, dos_buf, dow_buf, tile, b, h, T, d, H: gl.constexpr, G: gl.constexpr,
+                 D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr, WINDOW: gl.constexpr):
+    """One cp.async group: query tile `tile`'s q and dO rows (the window's too with WINDOW) into a stage (zeros for
+    rows past T)."""
+    t, ok, rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, row_l)
+    offsets = rows[:, None] * D + d[None, :]
+    async_copy.async_copy_global_to_shared(q_buf, Q + offsets, mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(dos_buf, DO_SLC + offsets, mask=ok[:, None])
+    if WINDOW:
+        async_copy.async_copy_global_to_shared(dow_buf, DO_WIN + offsets, mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_tile_products(q_smem, dos_smem, dow_smem, k_smem, v_smem, s_l: gl.constexpr, BM: gl.constexpr,
+                         BN: gl.constexpr, WINDOW: gl.constexpr):
+    """A query tile against the key step: S = q k^T and dP = dO v^T (the window's too with WINDOW; else the
+    selected dP stands in, unused) on wgmma, asynchronous."""
+    zeros = gl.zeros([BM, BN], gl.float32, s_l)
+    s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dp = warpgroup_mma(dos_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dp_w = dp
+    if WINDOW:
+        dp_w = warpgroup_mma(dow_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    return s, dp, dp_w
+
+
+@gluon.jit
+def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
+             H: gl.constexpr, G: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+             DOC_MASK: gl.constexpr, s_l: gl.constexpr, LATER: gl.constexpr, WINDOW: gl.constexpr):
+    """Query tile `tile`'s P of each branch (recomputed from its lse; 0 outside the branch's mask and for rows past
+    T) and dS = P_s (dP_s - delta_s) + P_w (dP_w - delta_w), [rows, keys], bf16, from its issued S and dP products,
+    waited for with the LATER products issued after them still running (the rows' values load meanwhile). Without
+    WINDOW (tiles whose windows miss the keys) the selected branch's alone, and P_w is 0."""
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    st, s_ok, s_rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, srow_l)
+    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    if DOC_MASK:
+        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
+    else:
+        doc = st
+    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
+    pos = kb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    if WINDOW:
+        lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
+        s, dp, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp, dp_w))
+    else:
+        s, dp = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp))
+    s = s * qk_scale
+    p = gl.where(_selected_visible(word, kb, pos, st), gl.exp2(s - lse_s[:, None]), 0.0)
+    ds = p * (dp - delta_s[:, None])
+    if WINDOW:
+        p_w = gl.where(_window_visible(pos, st, doc, W, DOC_MASK) & s_ok[:, None], gl.exp2(s - lse_w[:, None]), 0.0)
+        ds = ds + p_w * (dp_w - delta_w[:, None])
+    else:
+        p_w = gl.zeros([BM, BN], gl.float32, s_l)
+    return p.to(gl.bfloat16), p_w.to(gl.bfloat16), ds.to(gl.bfloat16)
+
+
+@gluon.jit(do_not_specialize=["T", "W"])
+def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV,
+                     T, W, qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
+    """As `triton_selected_window._bwd_dkdv_kernel` (grid: key steps x batch * KV heads): dK and dV of one step of
+    BN keys from the query tiles that see them, written once. The tiles' q and dO rows arrive by cp.async three
+    tiles deep; each iteration issues the next tile's S and dP products before this tile's dV += P^T dO and
+    dK += dS^T q, and computes the next tile's P and dS while those run. S is [rows, keys] (per-row values cost two
+    registers a thread), and P^T, dS^T are transposed views of shared memory. On 8 warps the two warpgroups split
+    the columns of S, dP, dK and dV (4 warps spilled 152-188 B at D = 64)."""
+    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
+    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    s_l: gl.constexpr = _column_split_layout(BN, NUM_WARPS)
+    o_l: gl.constexpr = _column_split_layout(D, NUM_WARPS)
+    tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+
+    kb = gl.program_id(0)
+    bh = gl.program_id(1).to(gl.int64)
+    b, h = bh // H, bh % H
+    first = kb * BN // QT
+    # The tiles up to the last query whose window holds one of the keys see them through both branches; the later
+    # ones through the selected branch alone.
+    win_last = gl.minimum(kb * BN + BN + W - 2, T - 1) // QT
+    n_tiles = gl.cdiv(T, QT)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    row0 = (b * T).to(gl.int32) + kb * BN
+    tma.async_copy_global_to_shared(k_desc, [row0, (h * D).to(gl.int32)], bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0, (h * D).to(gl.int32)], bar, v_smem)
+
+    q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
+    dos_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
+    dow_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BM, BN], p_sl)  # P_slc, P_win, dS of the tile in flight
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+    for stage in gl.static_range(STAGES - 1):
+        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(stage), dos_bufs.index(stage), dow_bufs.index(stage),
+                     first + stage, b, h, T, d, H, G, D, QT, BM, row_l, True)
+    mbarrier.wait(bar, 0)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    s, dp, dp_w = _issue_tile_products(q_bufs.index(0), dos_bufs.index(0), dow_bufs.index(0), k_smem, v_smem, s_l,
+                                       BM, BN, True)
+    p, p_w, ds = _tile_ds(s, dp, dp_w, first, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
+                          DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 0, True)
+    p_smem.index(0).store(p)
+    p_smem.index(1).store(p_w)
+    p_smem.index(2).store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    dk = gl.zeros([BN, D], gl.float32, o_l)
+    dv = gl.zeros([BN, D], gl.float32, o_l)
+    # The window's tiles: both branches. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then
+    # tile i's products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
+    for tile in range(first, win_last + 1):
+        i = tile - first
+        nxt = (i + STAGES - 1) % STAGES
+        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
+                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, True)
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        cur, nx = i % STAGES, (i + 1) % STAGES
+        s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
+                                           s_l, BM, BN, True)
+        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
+        dv = warpgroup_mma(p_smem.index(1).permute((1, 0)), dow_bufs.index(cur), dv, is_async=True)
+        dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 3, True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        p_smem.index(0).store(p)
+        p_smem.index(1).store(p_w)
+        p_smem.index(2).store(ds)
+        fence_async_shared()
+        gl.thread_barrier()
+    # The later tiles: the selected branch alone.
+    for tile in range(win_last + 1, n_tiles):
+        i = tile - first
+        nxt = (i + STAGES - 1) % STAGES
+        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
+                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, False)
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        cur, nx = i % STAGES, (i + 1) % STAGES
+        s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
+                                           s_l, BM, BN, False)
+        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
+        dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, False)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        p_smem.index(0).store(p)  # (P_w: no later tile reads it)
+        p_smem.index(2).store(ds)
+        fence_async_shared()
+        gl.thread_barrier()
+    async_copy.wait_group(0)  # the gathers past the last tile
+    mbarrier.invalidate(bar)
+
+    pos = kb * BN + gl.arange(0, BN, layout=row_l)
+    out = ((b * T + pos) * (H * D) + h * D)[:, None] + d[None, :]
+    kd_ok = (pos < T)[:, None]
+    gl.store(DK + out, gl.convert_layout((dk * scale).to(gl.bfloat16), rows_l), mask=kd_ok)
+    gl.store(DV + out, gl.convert_layout(dv.to(gl.bfloat16), rows_l), mask=kd_ok)
+
+
 def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int) -> bool:
     """Whether the Gluon forward runs these inputs: bf16, 16-byte aligned, head dim 64 or 128, blocks of 64 keys."""
     return (all(x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 for x in (q, k, v))
@@ -414,3 +605,16 @@ def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tenso
     doc = doc_start if doc_start is not None else bits
     _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), bits, doc, do_slc, do_win, lse_slc, lse_win,
                          delta_slc, delta_win, dq, q.shape[1], window, scale * LOG2E, scale, **meta)
+
+
+def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int,
+                   scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
+                   delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Launch the Gluon dK/dV kernel into dk, dv [B, T, H, D] (as `gluon_bwd_dq`; one program per 64 keys and KV
+    head)."""
+    (_, bh), meta = _launch_args(q, k, bits, doc_start)
+    meta |= dict(NUM_WARPS=_DKDV_WARPS, num_warps=_DKDV_WARPS)
+    doc = doc_start if doc_start is not None else bits
+    _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](q, _step_descriptor(k), _step_descriptor(v), bits, doc, do_slc,
+                                                  do_win, lse_slc, lse_win, delta_slc, delta_win, dk, dv, q.shape[1],
+                                                  window, scale * LOG2E, scale, **meta)

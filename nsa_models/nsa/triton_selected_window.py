@@ -329,10 +329,9 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
                         doc_start: Tensor | None, block_size: int, window: int, scale: float,
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
-    kernels as the forward's: "gluon_hopper" runs `gluon_selected_window`'s dQ kernel (dK/dV stays Triton's)."""
+    kernels as the forward's: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels."""
     q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
     bits = bits.contiguous()
-    B, T, H = q.shape[0], q.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
                  delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
@@ -340,13 +339,18 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
         from nsa_models.nsa import gluon_selected_window
 
         gluon_selected_window.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
+        gluon_selected_window.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
     else:
         triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
-    args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
-    k_op, v_op = _operands(k, v, args)
-    _bwd_dkdv_kernel[(triton.cdiv(T, args["BN"]), B * H)](q, k_op, v_op, DK=dk, DV=dv, scale=scale,
-                                                          **{key.upper(): x for key, x in grads.items()}, **args)
+        triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv)
     return dq, dk, dv
+
+
+def _grad_args(do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
+               delta_win: Tensor) -> dict:
+    """The backward kernels' keyword arguments for the branches' gradients and statistics."""
+    return dict(DO_SLC=do_slc, DO_WIN=do_win, LSE_SLC=lse_slc, LSE_WIN=lse_win, DELTA_SLC=delta_slc,
+                DELTA_WIN=delta_win)
 
 
 def triton_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
@@ -355,9 +359,20 @@ def triton_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tens
     """Launch the Triton dQ kernel into dq (as `gluon_selected_window.gluon_bwd_dq`, with the block size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
     k_op, v_op = _operands(k, v, args)
-    _bwd_dq_kernel[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, DO_SLC=do_slc, DO_WIN=do_win,
-                                                    LSE_SLC=lse_slc, LSE_WIN=lse_win, DELTA_SLC=delta_slc,
-                                                    DELTA_WIN=delta_win, scale=scale, **args)
+    _bwd_dq_kernel[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, scale=scale, **args, **_grad_args(
+        do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
+
+
+def triton_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
+                    window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
+                    delta_slc: Tensor, delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Launch the Triton dK/dV kernel into dk, dv (as `gluon_selected_window.gluon_bwd_dkdv`, with the block
+    size)."""
+    args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
+    k_op, v_op = _operands(k, v, args)
+    _bwd_dkdv_kernel[(triton.cdiv(q.shape[1], args["BN"]), q.shape[0] * args["H"])](
+        q, k_op, v_op, DK=dk, DV=dv, scale=scale, **args, **_grad_args(do_slc, do_win, lse_slc, lse_win, delta_slc,
+                                                                       delta_win))
 
 
 @selected_window_bwd.register_fake
