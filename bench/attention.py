@@ -242,7 +242,8 @@ def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | st
     if NSA.window_backend == "fused_with_selected":
         idx = random_block_indices(q.shape[0], k.shape[2], q.shape[1], NSA.n_selected, NSA.sel_block_size, q.device)
         rows.append(("selected + window 512 (fused), both outputs summed", *time_ms(
-            lambda: sum(selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size)), [q, k, v])))
+            lambda: sum(selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size,
+                                                  kernels=NSA.selected_kernels)), [q, k, v])))
     else:
         rows += selected_rows(q, k, v)
         rows.append((f"window 512 ({NSA.window_backend})",
@@ -384,7 +385,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--groups", action="store_true", help="also the GQA group sweep (G = 1, 4, 16) at 32k")
-    parser.add_argument("--window-backend", choices=["flex", "flash_attn_4", "fused_with_selected"], default="flex",
+    parser.add_argument("--window-backend", choices=["flex", "flash_attn_4", "gluon_hopper", "fused_with_selected"],
+                        default="flex",
                         help="the NSA core's window (model.nsa.window_backend); fla's comparison keeps flex")
     parser.add_argument("--cmp-backend", choices=["triton", "flash_attn_4"], default="triton",
                         help="the NSA core's compressed-attention kernels (model.nsa.cmp_backend)")

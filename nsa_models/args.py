@@ -52,13 +52,14 @@ class NSAArgs:
     """Give each branch (cmp, slc, win) its own K/V projection, as the paper does; False shares one."""
     backend: Annotated[Literal["reference", "triton"], RESUMABLE] = "reference"
     """Implementation of the attention core: `reference` (vectorised PyTorch, any device) or `triton`."""
-    window_backend: Annotated[Literal["flex", "sdpa", "flash_attn", "flash_attn_4", "fused_with_selected"],
-                              RESUMABLE] = "flex"
+    window_backend: Annotated[Literal["flex", "sdpa", "flash_attn", "flash_attn_4", "gluon_hopper",
+                                      "fused_with_selected"], RESUMABLE] = "flex"
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
-    window_size, FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; see docs/PERFORMANCE.md), or
-    `fused_with_selected`: one Triton sweep computes the selected and window branches together (shared K/V only, and
-    sequences of at most MAX_FUSED_BLOCKS selection blocks: its work grows as T^2; docs/KERNELS.md). Any value but
-    `flex` needs backend `triton` (the reference computes the window itself)."""
+    window_size, FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; see docs/PERFORMANCE.md),
+    `gluon_hopper` (the fused sweep's Gluon kernels without the selected branch: Hopper, bf16, head dim 64 or 128,
+    no context parallelism; untimed), or `fused_with_selected`: one sweep computes the selected and window branches
+    together (shared K/V only, and sequences of at most MAX_FUSED_BLOCKS selection blocks: its work grows as T^2;
+    docs/KERNELS.md). Any value but `flex` needs backend `triton` (the reference computes the window itself)."""
     cmp_backend: Annotated[Literal["triton", "flash_attn_4"], RESUMABLE] = "triton"
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
@@ -208,13 +209,20 @@ class ModelArgs:
                  "'flash_attn_4', or cmp_backend = 'flash_attn_4' (the only kernels with an atomic backward); set it "
                  "to false"),
             ]
-            if a.selected_kernels == "gluon_hopper":  # the Gluon kernels' shapes (`gluon_selected.supported`)
+            if a.selected_kernels == "gluon_hopper":
                 key, fix = "nsa.selected_kernels", "set model.nsa.selected_kernels = 'triton'"
                 checks += [
                     (a.backend == "triton", key, "= 'gluon_hopper' needs backend = 'triton' (the reference computes "
                      f"every branch itself): set model.nsa.backend = 'triton' (a CUDA GPU), or {fix}"),
                     (a.sel_block_size == 64, key, "= 'gluon_hopper' runs selection blocks of 64 keys, but "
                      f"model.nsa.sel_block_size = {a.sel_block_size}: set it to 64, or {fix}"),
+                ]
+            for name, default in (("selected_kernels", "triton"), ("window_backend", "flex")):
+                if getattr(a, name) != "gluon_hopper":
+                    continue
+                # the Gluon kernels' shapes (`gluon_selected.supported`, `gluon_selected_window.supported`)
+                key, fix = f"nsa.{name}", f"set model.nsa.{name} = {default!r}"
+                checks += [
                     (self.head_dim in (64, 128), key, "= 'gluon_hopper' runs head dim 64 or 128, but "
                      f"model.head_dim = {self.head_dim}: {fix}"),
                     (self.n_groups <= 64, key, "= 'gluon_hopper' runs at most 64 query heads per KV head, but "

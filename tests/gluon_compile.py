@@ -141,6 +141,24 @@ def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> 
     return gluon_launch, triton_launch, dq_launch, dkdv_launch
 
 
+def recorded_window_launches(H: int, G: int, D: int, T: int, documents: bool) -> list[tuple[str, str, tuple]]:
+    """(label, kernel name, (args, kwargs)) of the three Gluon kernels as `window_sweep_fwd` / `_bwd` launch them
+    (the window alone: no bits, no selected-branch tensors)."""
+    q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
+    doc = torch.zeros(1, T, dtype=torch.int32) if documents else None
+    lse = torch.zeros(1, T, H * G)
+    g = gluon_selected_window
+    return [
+        ("window forward", "_fwd_kernel", record("_fwd_kernel", lambda: g.gluon_fwd(
+            q, k, v, None, doc, 512, D**-0.5, None, q, None, lse), g)),
+        ("window dQ", "_bwd_dq_kernel", record("_bwd_dq_kernel", lambda: g.gluon_bwd_dq(
+            q, k, v, None, doc, 512, D**-0.5, None, q, None, lse, None, lse, q), g)),
+        ("window dK/dV", "_bwd_dkdv_kernel", record("_bwd_dkdv_kernel", lambda: g.gluon_bwd_dkdv(
+            q, k, v, None, doc, 512, D**-0.5, None, q, None, lse, None, lse, k, k), g)),
+    ]
+
+
 def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], args: tuple, kwargs: dict):
     """triton.compile of a kernel (the Gluon one, or for comparison the Triton one) for sm_90: constexpr
     parameters as constants, the rest typed as the launcher types them, every tensor 16-byte aligned (as CUDA's
@@ -189,7 +207,8 @@ def summary(compiled) -> str:
 
 
 def main(parts: list[str]) -> int:
-    """parts: "items" (the key-block-major kernels), "fused" (the fused forward); both when empty."""
+    """parts: "items" (the key-block-major kernels), "fused" (the fused sweep's kernels, with and without the
+    selected branch); both when empty."""
     print(f"triton {triton.__version__}, target {HOPPER}")
     failures = 0
     parts = parts or ["items", "fused"]
@@ -238,6 +257,13 @@ def main(parts: list[str]) -> int:
                 print(f"  FAILED {label}: {type(e).__name__}: {e}")
         compiled = compile_launch(triton_selected_window._fwd_kernel, ASTSource, triton_args, triton_kwargs)
         print(f"  forward, triton: {summary(compiled)}")
+        for label, kernel, launch in recorded_window_launches(H, G, D, T, documents):
+            try:
+                compiled = compile_launch(getattr(gluon_selected_window, kernel), GluonASTSource, *launch)
+                print(f"  {label}, gluon: {summary(compiled)}")
+            except Exception as e:
+                failures += 1
+                print(f"  FAILED {label}, gluon: {type(e).__name__}: {e}")
     return 1 if failures else 0
 
 

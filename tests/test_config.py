@@ -136,6 +136,11 @@ BAD_INPUT = [
      "model.nsa.selected_kernels = 'gluon_hopper' runs at most 64 query heads per KV head, but model.n_heads / "
      "model.n_kv_heads = 130: set model.nsa.selected_kernels = 'triton'"),
     (None, ["--model.nsa.selected_kernels", "cuda"], "model.nsa.selected_kernels = 'cuda'"),
+    (None, ["--model.nsa.window_backend", "gluon_hopper"],
+     "model.nsa.window_backend = 'gluon_hopper' needs backend = 'triton'"),
+    (None, ["--model.nsa.window_backend", "gluon_hopper", "--model.nsa.backend", "triton"],  # debug: head dim 32
+     "model.nsa.window_backend = 'gluon_hopper' runs head dim 64 or 128, but model.head_dim = 32: set "
+     "model.nsa.window_backend = 'flex'"),
     (None, ["--model.nsa.float_atomics", "true", "--model.nsa.backend", "triton", "--model.nsa.window_backend",
             "flash_attn_4", "--debug.deterministic", "true"],
      "model.nsa.float_atomics = true contradicts debug.deterministic = true"),

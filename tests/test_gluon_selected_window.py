@@ -1,12 +1,14 @@
 """The Gluon fused selected + window kernels (`nsa_models/nsa/gluon_selected_window.py`: the forward, the backward's dQ
-and dK/dV) on a Hopper GPU, against the Triton fused kernels run in fp32 on the same inputs (the oracle:
-tests/test_triton_selected_window.py checks them against the reference backend), with random bf16 inputs and random
-valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-exps within 1e-2 where finite
-and -inf in the same rows; dQ, dK and dV (from the fp32 forward's lse and delta, random dO of each branch): within
-1e-2 relative error. The Triton bf16 kernels are held to the same bounds, so a failure names the kernel that moved.
+and dK/dV; with and without the selected branch) on a Hopper GPU, against the Triton fused kernels run in fp32 on
+the same inputs (the oracle: tests/test_triton_selected_window.py checks them against the reference backend), with
+random bf16 inputs and random valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-
+exps within 1e-2 where finite and -inf in the same rows; dQ, dK and dV (from the fp32 forward's lse and delta,
+random dO of each branch): within 1e-2 relative error. The Triton bf16 kernels are held to the same bounds, so a
+failure names the kernel that moved.
 
 Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
-`selected_kernels = "gluon_hopper"` (the three Gluon kernels launched) against "triton": logits and every gradient
+`selected_kernels = "gluon_hopper"` (the three Gluon kernels launched) against "triton", and with `window_backend =
+"gluon_hopper"` (the kernels without the selected branch) against FlexAttention's window: logits and every gradient
 within 1e-2 relative error.
 """
 
@@ -71,34 +73,52 @@ def _with_block_size(triton_launch):
     return lambda *args, **tensors: triton_launch(*args[:5], BS, *args[5:], **tensors)
 
 
+def _window_only_forward(q, k, v, bits, doc, window, scale, o_slc, o_win, lse_slc, lse_win):
+    """The Gluon forward without the selected branch (bits None, as `window_sweep_fwd` launches it); the selected
+    outputs left as they were (NaN)."""
+    gluon_selected_window.gluon_fwd(q, k, v, None, doc, window, scale, None, o_win, None, lse_win)
+
+
+@pytest.mark.parametrize("selected", [True, False], ids=["fused", "window-only"])
 @pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
-def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool,
+                                          selected: bool):
     q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
     triton_launch = _with_block_size(triton_fwd)
-    want = _forward(triton_launch, q.float(), k.float(), v.float(), bits, doc, window)
-    got = {"gluon": _forward(gluon_selected_window.gluon_fwd, q, k, v, bits, doc, window),
-           "triton bf16": _forward(triton_launch, q, k, v, bits, doc, window)}
+    names = ["o_slc", "o_win", "lse_slc", "lse_win"]
+    want = dict(zip(names, _forward(triton_launch, q.float(), k.float(), v.float(), bits, doc, window)))
+    gluon = gluon_selected_window.gluon_fwd if selected else _window_only_forward
+    got = {"gluon": dict(zip(names, _forward(gluon, q, k, v, bits, doc, window))),
+           "triton bf16": dict(zip(names, _forward(triton_launch, q, k, v, bits, doc, window)))}
     torch.cuda.synchronize()
+    if not selected:
+        assert got["gluon"]["o_slc"].isnan().all() and got["gluon"]["lse_slc"].isnan().all(), \
+            "the window-only forward wrote the selected branch's outputs"
     for kernel, outputs in got.items():
-        for name, x, w in zip(["o_slc", "o_win"], outputs[:2], want[:2]):
+        for name in names if selected else ["o_win", "lse_win"]:
+            x, w = outputs[name], want[name]
             assert not x.isnan().any(), f"{kernel}: {name} has NaN (unwritten rows?)"
-            err = _rel_err(x, w)
-            assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
-        for name, x, w in zip(["lse_slc", "lse_win"], outputs[2:], want[2:]):
-            assert torch.equal(x.isinf(), w.isinf()), f"{kernel}: {name} is -inf in other rows"
-            finite = w.isfinite()
-            assert not x.isnan().any(), f"{kernel}: {name} has NaN"
-            diff = (x[finite] - w[finite]).abs().max().item()
-            assert diff <= 1e-2, f"{kernel}: {name} differs by {diff:.2e}"
+            if name.startswith("o_"):
+                err = _rel_err(x, w)
+                assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
+            else:
+                assert torch.equal(x.isinf(), w.isinf()), f"{kernel}: {name} is -inf in other rows"
+                diff = (x[w.isfinite()] - w[w.isfinite()]).abs().max().item()
+                assert diff <= 1e-2, f"{kernel}: {name} differs by {diff:.2e}"
 
 
+@pytest.mark.parametrize("selected", [True, False], ids=["fused", "window-only"])
 @pytest.mark.parametrize("B, T, H, G, D, window, documents", CASES)
-def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool):
+def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool,
+                                           selected: bool):
+    """Window-only (bits None): the oracle is the fused backward with no selected-branch gradient."""
     q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
     o_slc, o_win, lse_slc, lse_win = _forward(_with_block_size(triton_fwd), q.float(), k.float(), v.float(), bits,
                                               doc, window)
     gen = torch.Generator("cuda").manual_seed(1)
     do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    if not selected:
+        do_slc = torch.zeros_like(do_slc)
     delta_slc, delta_win = ((o * do.float()).sum(-1) for o, do in ((o_slc, do_slc), (o_win, do_win)))
     stats = dict(lse_slc=lse_slc, lse_win=lse_win, delta_slc=delta_slc, delta_win=delta_win)
     scale = D ** -0.5
@@ -112,8 +132,13 @@ def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: in
 
     triton_launches = _with_block_size(triton_bwd_dq), _with_block_size(triton_bwd_dkdv)
     want = grads_of(*triton_launches, q.float(), k.float(), v.float(), do_slc.float(), do_win.float())
-    got = {"gluon": grads_of(gluon_selected_window.gluon_bwd_dq, gluon_selected_window.gluon_bwd_dkdv, q, k, v,
-                             do_slc, do_win),
+    gluon_launches = gluon_selected_window.gluon_bwd_dq, gluon_selected_window.gluon_bwd_dkdv
+    if not selected:  # as `window_sweep_bwd` launches them
+        gluon_launches = tuple(
+            lambda q, k, v, bits, doc, window, scale, do_slc, lse_slc, delta_slc, _launch=launch, **rest: _launch(
+                q, k, v, None, doc, window, scale, do_slc=None, lse_slc=None, delta_slc=None, **rest)
+            for launch in gluon_launches)
+    got = {"gluon": grads_of(*gluon_launches, q, k, v, do_slc, do_win),
            "triton bf16": grads_of(*triton_launches, q, k, v, do_slc, do_win)}
     torch.cuda.synchronize()
     for kernel, grads in got.items():
@@ -123,12 +148,11 @@ def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: in
             assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
 
 
-def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, with
-    the fused selected + window sweep."""
+def _model_run(flavor: str, tokens: torch.Tensor, **nsa) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, the
+    triton backend with the `nsa` keys given."""
     args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
-    args.nsa = dataclasses.replace(args.nsa, backend="triton", window_backend="fused_with_selected",
-                                   separate_kv=False, selected_kernels=kernels)
+    args.nsa = dataclasses.replace(args.nsa, backend="triton", **nsa)
     check_backend(args.nsa, tokens.device, torch.bfloat16)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -141,19 +165,43 @@ def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.T
     return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
-def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, monkeypatch):
+def _recorded_launches(monkeypatch) -> list[str]:
+    """The Gluon launches of the runs that follow, by name, in order."""
     calls = []
     for name in ("gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"):
         launch = getattr(gluon_selected_window, name)
         monkeypatch.setattr(gluon_selected_window, name,
                             lambda *a, _launch=launch, _name=name, **kw: (calls.append(_name), _launch(*a, **kw))[1])
-    tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    want_logits, want_grads = _model_run(flavor, "triton", tokens)
-    assert calls == []
-    got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
-    assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
+    return calls
+
+
+def _assert_close(got: tuple, want: tuple) -> None:
+    (got_logits, got_grads), (want_logits, want_grads) = got, want
     errors = {"logits": _rel_err(got_logits, want_logits)}
     errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-2, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
+def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, monkeypatch):
+    calls = _recorded_launches(monkeypatch)
+    tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    fused = dict(window_backend="fused_with_selected", separate_kv=False)
+    want = _model_run(flavor, tokens, selected_kernels="triton", **fused)
+    assert calls == []
+    got = _model_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
+    assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("flavor, T", [("nsa-125m", 8192), ("nsa-1b", 2048)])
+def test_model_block_with_the_gluon_window_matches_flex(flavor: str, T: int, monkeypatch):
+    """window_backend = "gluon_hopper" against FlexAttention's window, at 8k (nsa-125m) and 2k (nsa-1b)."""
+    calls = _recorded_launches(monkeypatch)
+    tokens = torch.randint(0, 512, (1, T), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    want = _model_run(flavor, tokens, window_backend="flex")
+    assert calls == []
+    got = _model_run(flavor, tokens, window_backend="gluon_hopper")
+    assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
+    _assert_close(got, want)

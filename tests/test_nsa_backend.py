@@ -58,13 +58,13 @@ def test_flash_attn_4_needs_bf16_compute(key: str, instead: str, monkeypatch):
     check_backend(args, CUDA, torch.bfloat16)
 
 
-GLUON_FIX = ": set model.nsa.selected_kernels = 'triton'"
-
-
-def test_gluon_selected_kernels_need_hopper_bf16_and_gluon(monkeypatch):
-    """selected_kernels = 'gluon_hopper': a CUDA GPU of capability 9.x, bf16 compute and Gluon that imports; each
-    refusal one line naming the key and the fix. The shapes are ModelArgs.validate's (tests/test_config.py)."""
-    args = NSAArgs(backend="triton", selected_kernels="gluon_hopper", sel_block_size=64)
+@pytest.mark.parametrize("key, default", [("selected_kernels", "triton"), ("window_backend", "flex")])
+def test_gluon_kernels_need_hopper_bf16_and_gluon(key: str, default: str, monkeypatch):
+    """selected_kernels or window_backend = 'gluon_hopper': a CUDA GPU of capability 9.x, bf16 compute and Gluon
+    that imports; each refusal one line naming the key and the fix. The shapes are ModelArgs.validate's
+    (tests/test_config.py)."""
+    args = NSAArgs(backend="triton", sel_block_size=64, **{key: "gluon_hopper"})
+    chosen, fix = f"model.nsa.{key} = 'gluon_hopper'", f"set model.nsa.{key} = {default!r}"
     with pytest.raises(ValueError) as error:  # the CPU device: the backend's own refusal comes first
         check_backend(args, torch.device("cpu"), torch.bfloat16)
     assert str(error.value).startswith("model.nsa.backend = 'triton' needs a CUDA GPU (device is cpu)")
@@ -72,19 +72,16 @@ def test_gluon_selected_kernels_need_hopper_bf16_and_gluon(monkeypatch):
         monkeypatch.setattr(core, "_cuda_capability", lambda device, capability=capability: capability)
         with pytest.raises(ValueError) as error:
             check_backend(args, CUDA, torch.bfloat16)
-        assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' needs a CUDA GPU of capability 9.x "
-                                    f"(Hopper; {found})" + GLUON_FIX)
+        assert str(error.value) == f"{chosen} needs a CUDA GPU of capability 9.x (Hopper; {found}): {fix}"
     monkeypatch.setattr(core, "_cuda_capability", lambda device: (9, 0))
     with pytest.raises(ValueError) as error:
         check_backend(args, CUDA, torch.float32)
-    assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' runs bf16 only: set "
-                                "training.mixed_precision = 'bf16' (or 'auto'), or" + GLUON_FIX.removeprefix(":"))
+    assert str(error.value) == f"{chosen} runs bf16 only: set training.mixed_precision = 'bf16' (or 'auto'), or {fix}"
     monkeypatch.setattr(core, "_gluon_import_error", lambda: "cannot import name 'warpgroup_mma'")
     with pytest.raises(ValueError) as error:
         check_backend(args, CUDA, torch.bfloat16)
-    assert str(error.value) == ("model.nsa.selected_kernels = 'gluon_hopper' needs triton.experimental.gluon (triton "
-                                "3.6 or newer), which does not import here (cannot import name 'warpgroup_mma')"
-                                + GLUON_FIX)
+    assert str(error.value) == (f"{chosen} needs triton.experimental.gluon (triton 3.6 or newer), which does not "
+                                f"import here (cannot import name 'warpgroup_mma'): {fix}")
     monkeypatch.undo()
     monkeypatch.setattr(core, "_cuda_capability", lambda device: (9, 0))
     check_backend(args, CUDA, torch.bfloat16)  # Hopper, bf16, and Gluon imports (triton 3.6 or newer installed)

@@ -217,3 +217,52 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents
                      ("dq", *shapes, sorted(stats + ["dq"])), ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
     for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_window_sweep_op_matches_the_sdpa_window(documents: bool, monkeypatch):
+    """window_backend = "gluon_hopper" (`window_attention` -> `window_sweep_attention`): the op's forward,
+    autograd and launches, with the Gluon kernels (Hopper only) replaced by stand-ins that run the Triton sweep on
+    the same arguments with no block chosen and no selected-branch gradient (so only the window's terms remain),
+    against the masked-SDPA window. The Gluon kernels themselves: tests/test_gluon_selected_window.py."""
+    from nsa_models.nsa import gluon_selected_window
+    from nsa_models.nsa.triton_backend import window_attention
+
+    calls = []
+
+    def no_choice(q, k):
+        return torch.zeros(q.shape[0], k.shape[2], q.shape[1], dtype=torch.int64)
+
+    def fwd(q, k, v, bits, doc_start, window, scale, o_slc, o_win, lse_slc, lse_win):
+        calls.append(("fwd", bits, o_slc, lse_slc))
+        sw.triton_fwd(q, k, v, no_choice(q, k), doc_start, BS, window, scale, o_slc=torch.empty_like(o_win),
+                      o_win=o_win, lse_slc=torch.empty_like(lse_win), lse_win=lse_win)
+
+    def bwd(name, triton_launch):
+        def launch(q, k, v, bits, doc_start, window, scale, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win,
+                   **grads):
+            calls.append((name, bits, do_slc, lse_slc, delta_slc))
+            triton_launch(q, k, v, no_choice(q, k), doc_start, BS, window, scale, do_slc=torch.zeros_like(do_win),
+                          do_win=do_win, lse_slc=torch.zeros_like(lse_win), lse_win=lse_win,
+                          delta_slc=torch.zeros_like(delta_win), delta_win=delta_win, **grads)
+        return launch
+
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", fwd)
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", bwd("dq", sw.triton_bwd_dq))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv", bwd("dkdv", sw.triton_bwd_dkdv))
+    B, T, H, G, D, window = 2, 70, 2, 3, 16, 24
+    gen = torch.Generator().manual_seed(5)
+    doc = document_starts(B, T, gen) if documents else None
+    q = torch.randn(B, T, H * G, D, generator=gen)
+    k, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    cot = torch.randn(B, T, H * G, D, generator=gen)
+    results = {}
+    for backend in ("sdpa", "gluon_hopper"):
+        args = NSAArgs(backend="triton", window_backend=backend, window_size=window, sel_block_size=BS)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = window_attention(*leaves, args, doc_start=doc)
+        results[backend] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
+    assert [c[0] for c in calls] == ["fwd", "dq", "dkdv"]
+    assert all(x is None for c in calls for x in c[1:]), "the window-only launches get no selected-branch tensors"
+    for name, want, got in zip(["out", "dq", "dk", "dv"], results["sdpa"], results["gluon_hopper"]):
+        assert rel_err(got, want) < 1e-5, name

@@ -77,8 +77,10 @@ def check_backend(args: NSAArgs, device: torch.device, dtype: torch.dtype) -> No
         if choice == "flash_attn_4" and dtype != torch.bfloat16:
             raise ValueError(f"model.nsa.{key} = 'flash_attn_4' runs bf16 only: set training.mixed_precision = "
                              f"'bf16' (or 'auto'), or {key} = {built_in[0]!r}")
-    if args.selected_kernels == "gluon_hopper":  # the shapes are ModelArgs.validate's
-        gluon, fix = "model.nsa.selected_kernels = 'gluon_hopper'", "set model.nsa.selected_kernels = 'triton'"
+    for key, default in (("selected_kernels", "triton"), ("window_backend", "flex")):
+        if getattr(args, key) != "gluon_hopper":  # the shapes are ModelArgs.validate's
+            continue
+        gluon, fix = f"model.nsa.{key} = 'gluon_hopper'", f"set model.nsa.{key} = {default!r}"
         capability = _cuda_capability(device)
         if capability is None or capability[0] != 9:
             found = "no CUDA GPU here" if capability is None else "this one is {}.{}".format(*capability)

@@ -70,11 +70,12 @@ def _load_step(k_desc, v_desc, k_smem, v_smem, bars, step, n_steps, row0, col, S
 
 
 @gluon.jit
-def _issue_scores(q_smem, k_smem, bars, step, STAGES: gl.constexpr, s_l: gl.constexpr, BM: gl.constexpr,
+def _issue_scores(q_smem, k_smem, bars, step, start, STAGES: gl.constexpr, s_l: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr):
-    """Wait for step `step`'s keys and issue S = q k^T on wgmma (asynchronous: the caller waits)."""
+    """Wait for step `step`'s keys (the ring's loads began at step `start`) and issue S = q k^T on wgmma
+    (asynchronous: the caller waits)."""
     slot = step % STAGES
-    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+    mbarrier.wait(bars.index(slot), ((step - start) // STAGES) & 1)
     return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
                          use_acc=False, is_async=True)
 
@@ -135,15 +136,15 @@ def _tile(T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.const
 
 
 @gluon.jit
-def _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
-    """The key / value stages and their barriers, with the first STAGES steps' loads issued."""
+def _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+    """The key / value stages and their barriers, with the loads of STAGES steps from `start` issued."""
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES):
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, i, n_steps, row0, col, STAGES, BN)
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, start + i, n_steps, row0, col, STAGES, BN)
     return k_smem, v_smem, bars
 
 
@@ -169,9 +170,10 @@ def _tile_rows(first, b, h, T, H: gl.constexpr, G: gl.constexpr, QT: gl.constexp
 @gluon.jit(do_not_specialize=["T", "W"])
 def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: gl.constexpr,
                 G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                DOC_MASK: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Grid: query tiles x batch * KV heads. Row r of a tile is head r % G of query tile * QT + r // G; BM rows,
-    BN keys a step (one selection block)."""
+    BN keys a step (one selection block). Without SELECTED the window alone (O_WIN, LSE_WIN): the tile walks only
+    the steps of its rows' windows, and BITS and the selected outputs are not touched."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
@@ -181,7 +183,10 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
 
     bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES, BN, D)
+    start = win_step
+    if SELECTED:
+        start = 0
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
     # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
@@ -191,7 +196,9 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
 
     # Per-row values in S's layout: positions, which exist, the query's chosen blocks, its document's start.
     st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
-    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    word = gl.zeros([BM], gl.int64, srow_l)
+    if SELECTED:
+        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
     if DOC_MASK:
         doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
     else:
@@ -201,7 +208,8 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     m_s = gl.full([BM], float("-inf"), gl.float32, srow_l)
     l_s = gl.zeros([BM], gl.float32, srow_l)
     m_w, l_w = m_s, l_s
-    alpha_w = gl.full([BM], 1.0, gl.float32, srow_l)
+    alpha_s = gl.full([BM], 1.0, gl.float32, srow_l)
+    alpha_w = alpha_s
     acc_s = gl.zeros([BM, D], gl.float32, o_l)
     acc_w = gl.zeros([BM, D], gl.float32, o_l)
     # Each branch's P of the step in flight, in shared memory: the products read it from there, so nothing defines
@@ -210,59 +218,72 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BN], p_sl)
     p_slc, p_win = p_smem.index(0), p_smem.index(1)
 
-    # Step 0's softmax, before the loops: each iteration j then issues step j + 1's S, issues step j's P V, and
-    # runs step j + 1's softmax while the P V products run.
-    s = _issue_scores(q_smem, k_smem, bars, 0, STAGES, s_l, BM, BN)
+    # The first step's softmax, before the loops: each iteration j then issues step j + 1's S, issues step j's P V,
+    # and runs step j + 1's softmax while the P V products run.
+    s = _issue_scores(q_smem, k_smem, bars, start, start, STAGES, s_l, BM, BN)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, )) * qk_scale
-    pos = u.to(gl.int32)
-    p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, 0, pos, st))
-    p_slc.store(p)
-    if win_step == 0:
+    pos = start * BN + u
+    if SELECTED:
+        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, start, pos, st))
+        p_slc.store(p)
+    if win_step == start:
         p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
         p_win.store(p)
     fence_async_shared()
     gl.thread_barrier()
 
-    # Steps before the window: one product a step (the selected branch); step j + 1 may be the window's first.
-    for j in range(0, win_step):
-        s = _issue_scores(q_smem, k_smem, bars, j + 1, STAGES, s_l, BM, BN)
-        acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, )) * qk_scale
-        pos = ((j + 1) * BN + u).to(gl.int32)
-        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
-        acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, ))
-        p_slc.store(p)
-        if j + 1 == win_step:  # the window's first step: its state starts here, with nothing to rescale
-            p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
-            p_win.store(p)
-        fence_async_shared()
-        gl.thread_barrier()
-        # every warp is past step j's products: its stage takes step j + STAGES's keys and values
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
-        acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+    if SELECTED:  # Steps before the window: one product a step; step j + 1 may be the window's first.
+        for j in range(0, win_step):
+            s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
+            acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, )) * qk_scale
+            pos = (j + 1) * BN + u
+            p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
+            acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, ))
+            p_slc.store(p)
+            if j + 1 == win_step:  # the window's first step: its state starts here, with nothing to rescale
+                p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
+                p_win.store(p)
+            fence_async_shared()
+            gl.thread_barrier()
+            # every warp is past step j's products: its stage takes step j + STAGES's keys and values
+            _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
 
-    # The window's steps: two products a step from one S. The last iteration's "next" S recomputes the last step
-    # (no load past it) and its softmax sees no key (positions past every query): a no-op on the states.
+    # The window's steps: two products a step from one S (one without SELECTED). The last iteration's "next" S
+    # recomputes the last step (no load past it) and its softmax sees no key (positions past every query): a no-op
+    # on the states.
     for j in range(win_step, n_steps):
-        s = _issue_scores(q_smem, k_smem, bars, gl.minimum(j + 1, n_steps - 1), STAGES, s_l, BM, BN)
-        acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
+        s = _issue_scores(q_smem, k_smem, bars, gl.minimum(j + 1, n_steps - 1), start, STAGES, s_l, BM, BN)
+        if SELECTED:
+            acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
         acc_w = warpgroup_mma(p_win, v_smem.index(j % STAGES), acc_w, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, )) * qk_scale
-        pos = ((j + 1) * BN + u).to(gl.int32)
-        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
+        if SELECTED:
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+        else:
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = s * qk_scale
+        pos = (j + 1) * BN + u
+        if SELECTED:
+            p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
         p_w, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
-        acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_w))
-        p_slc.store(p)
+        if SELECTED:
+            acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_w))
+            p_slc.store(p)
+        else:
+            acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, ))
         p_win.store(p_w)
         fence_async_shared()
         gl.thread_barrier()
         _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
-        acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+        if SELECTED:
+            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
         acc_w = acc_w * gl.convert_layout(alpha_w, orow_l)[:, None]
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    _write_rows(O_SLC, LSE_SLC, acc_s, m_s, l_s, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
+    if SELECTED:
+        _write_rows(O_SLC, LSE_SLC, acc_s, m_s, l_s, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
     _write_rows(O_WIN, LSE_WIN, acc_w, m_w, l_w, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
 
 
@@ -290,12 +311,12 @@ def _ds_term(s, dp, lse, delta, visible):
 @gluon.jit(do_not_specialize=["T", "W"])
 def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W,
                    qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr,
+                   STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """As `triton_selected_window._bwd_dq_kernel` (grid: query tiles x batch * KV heads): dQ of a tile's rows over
-    its causal prefix, both branches' P recomputed from their lse. Each step j + 1's S and dP products are issued
-    before step j's dQ += dS k, and step j + 1's dS is computed while that product runs; dS reaches the product
-    through shared memory, as the forward's P."""
+    its causal prefix, both branches' P recomputed from their lse (without SELECTED the window's alone, over the
+    window's steps). Each step j + 1's S and dP products are issued before step j's dQ += dS k, and step j + 1's dS
+    is computed while that product runs; dS reaches the product through shared memory, as the forward's P."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
@@ -303,11 +324,16 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
 
     bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, n_steps, row0, col, STAGES, BN, D)
+    start = win_step
+    if SELECTED:
+        start = 0
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
     q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
-    dos_smem = _rows_to_shared(DO_SLC, rows, ok, d, D, BM)
+    dos_smem = q_smem
+    if SELECTED:
+        dos_smem = _rows_to_shared(DO_SLC, rows, ok, d, D, BM)
     dow_smem = _rows_to_shared(DO_WIN, rows, ok, d, D, BM)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
                                                                                                     gl.bfloat16))
@@ -315,59 +341,74 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     gl.thread_barrier()
 
     st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
-    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    word = gl.zeros([BM], gl.int64, srow_l)
+    lse_s = gl.zeros([BM], gl.float32, srow_l)
+    delta_s = lse_s
+    if SELECTED:
+        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+        lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
     if DOC_MASK:
         doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
     else:
         doc = st
-    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
     lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
     u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
     dq = gl.zeros([BM, D], gl.float32, o_l)
 
-    # Step 0's dS, before the loops.
-    s = _issue_scores(q_smem, k_smem, bars, 0, STAGES, s_l, BM, BN)
-    dp = _issue_dp(dos_smem, v_smem, 0, STAGES, s_l, BM, BN)
-    dp_w = _issue_dp(dow_smem, v_smem, 0, STAGES, s_l, BM, BN)
-    s, dp, dp_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dp_w))
-    s = s * qk_scale
-    pos = u.to(gl.int32)
-    ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, 0, pos, st))
+    # The first step's dS, before the loops.
+    s = _issue_scores(q_smem, k_smem, bars, start, start, STAGES, s_l, BM, BN)
+    dp_w = _issue_dp(dow_smem, v_smem, start, STAGES, s_l, BM, BN)
+    pos = start * BN + u
+    if SELECTED:
+        dp = _issue_dp(dos_smem, v_smem, start, STAGES, s_l, BM, BN)
+        s, dp_w, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dp))
+        s = s * qk_scale
+        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, start, pos, st))
+    else:
+        s, dp_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w))
+        s = s * qk_scale
+        ds = gl.zeros([BM, BN], gl.float32, s_l)
     ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
     ds_smem.store(ds.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
-    # Steps before the window: the selected branch's dP alone (the window's, at the window's first step, after).
-    for j in range(0, win_step):
-        s = _issue_scores(q_smem, k_smem, bars, j + 1, STAGES, s_l, BM, BN)
-        dp = _issue_dp(dos_smem, v_smem, j + 1, STAGES, s_l, BM, BN)
-        dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
-        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
-        s = s * qk_scale
-        pos = ((j + 1) * BN + u).to(gl.int32)
-        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
-        if j + 1 == win_step:
-            dp_w = warpgroup_mma(dow_smem, v_smem.index((j + 1) % STAGES).permute((1, 0)),
-                                 gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
-            ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        ds_smem.store(ds.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+    if SELECTED:  # Steps before the window: the selected branch's dP alone (the window's, at its first step, after).
+        for j in range(0, win_step):
+            s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
+            dp = _issue_dp(dos_smem, v_smem, j + 1, STAGES, s_l, BM, BN)
+            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
+            s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
+            s = s * qk_scale
+            pos = (j + 1) * BN + u
+            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+            if j + 1 == win_step:
+                dp_w = warpgroup_mma(dow_smem, v_smem.index((j + 1) % STAGES).permute((1, 0)),
+                                     gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
+                ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            ds_smem.store(ds.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
 
     # The window's steps; the last iteration's "next" step recomputes the last one, fully masked (dS = 0).
     for j in range(win_step, n_steps):
         nxt = gl.minimum(j + 1, n_steps - 1)
-        s = _issue_scores(q_smem, k_smem, bars, nxt, STAGES, s_l, BM, BN)
-        dp = _issue_dp(dos_smem, v_smem, nxt, STAGES, s_l, BM, BN)
+        s = _issue_scores(q_smem, k_smem, bars, nxt, start, STAGES, s_l, BM, BN)
         dp_w = _issue_dp(dow_smem, v_smem, nxt, STAGES, s_l, BM, BN)
-        dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
-        s, dp, dp_w = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp, dp_w))
-        s = s * qk_scale
-        pos = ((j + 1) * BN + u).to(gl.int32)
-        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+        pos = (j + 1) * BN + u
+        if SELECTED:
+            dp = _issue_dp(dos_smem, v_smem, nxt, STAGES, s_l, BM, BN)
+            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
+            s, dp_w, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp_w, dp))
+            s = s * qk_scale
+            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+        else:
+            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
+            s, dp_w = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp_w))
+            s = s * qk_scale
+            ds = gl.zeros([BM, BN], gl.float32, s_l)
         ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         ds_smem.store(ds.to(gl.bfloat16))
@@ -383,13 +424,15 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
 
 @gluon.jit
 def _gather_tile(Q, DO_SLC, DO_WIN, q_buf, dos_buf, dow_buf, tile, b, h, T, d, H: gl.constexpr, G: gl.constexpr,
-                 D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr, WINDOW: gl.constexpr):
-    """One cp.async group: query tile `tile`'s q and dO rows (the window's too with WINDOW) into a stage (zeros for
-    rows past T)."""
+                 D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr, SELECTED: gl.constexpr,
+                 WINDOW: gl.constexpr):
+    """One cp.async group: query tile `tile`'s q rows and each wanted branch's dO rows into a stage (zeros for rows
+    past T)."""
     t, ok, rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, row_l)
     offsets = rows[:, None] * D + d[None, :]
     async_copy.async_copy_global_to_shared(q_buf, Q + offsets, mask=ok[:, None])
-    async_copy.async_copy_global_to_shared(dos_buf, DO_SLC + offsets, mask=ok[:, None])
+    if SELECTED:
+        async_copy.async_copy_global_to_shared(dos_buf, DO_SLC + offsets, mask=ok[:, None])
     if WINDOW:
         async_copy.async_copy_global_to_shared(dow_buf, DO_WIN + offsets, mask=ok[:, None])
     async_copy.commit_group()
@@ -397,13 +440,15 @@ def _gather_tile(Q, DO_SLC, DO_WIN, q_buf, dos_buf, dow_buf, tile, b, h, T, d, H
 
 @gluon.jit
 def _issue_tile_products(q_smem, dos_smem, dow_smem, k_smem, v_smem, s_l: gl.constexpr, BM: gl.constexpr,
-                         BN: gl.constexpr, WINDOW: gl.constexpr):
-    """A query tile against the key step: S = q k^T and dP = dO v^T (the window's too with WINDOW; else the
-    selected dP stands in, unused) on wgmma, asynchronous."""
+                         BN: gl.constexpr, SELECTED: gl.constexpr, WINDOW: gl.constexpr):
+    """A query tile against the key step: S = q k^T and each wanted branch's dP = dO v^T on wgmma, asynchronous
+    (a branch not wanted gets S's token in its place, unused)."""
     zeros = gl.zeros([BM, BN], gl.float32, s_l)
     s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    dp = warpgroup_mma(dos_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    dp_w = dp
+    dp = s
+    dp_w = s
+    if SELECTED:
+        dp = warpgroup_mma(dos_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
     if WINDOW:
         dp_w = warpgroup_mma(dow_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
     return s, dp, dp_w
@@ -412,47 +457,55 @@ def _issue_tile_products(q_smem, dos_smem, dow_smem, k_smem, v_smem, s_l: gl.con
 @gluon.jit
 def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
              H: gl.constexpr, G: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-             DOC_MASK: gl.constexpr, s_l: gl.constexpr, LATER: gl.constexpr, WINDOW: gl.constexpr):
-    """Query tile `tile`'s P of each branch (recomputed from its lse; 0 outside the branch's mask and for rows past
-    T) and dS = P_s (dP_s - delta_s) + P_w (dP_w - delta_w), [rows, keys], bf16, from its issued S and dP products,
-    waited for with the LATER products issued after them still running (the rows' values load meanwhile). Without
-    WINDOW (tiles whose windows miss the keys) the selected branch's alone, and P_w is 0."""
+             DOC_MASK: gl.constexpr, s_l: gl.constexpr, LATER: gl.constexpr, SELECTED: gl.constexpr,
+             WINDOW: gl.constexpr):
+    """Query tile `tile`'s P of each wanted branch (recomputed from its lse; 0 outside the branch's mask, for rows
+    past T, and for a branch not wanted) and dS = P_s (dP_s - delta_s) + P_w (dP_w - delta_w), [rows, keys], bf16,
+    from its issued S and dP products, waited for with the LATER products issued after them still running (the
+    rows' values load meanwhile)."""
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     st, s_ok, s_rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, srow_l)
-    word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
-    if DOC_MASK:
-        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
-    else:
-        doc = st
-    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
     pos = kb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    p = gl.zeros([BM, BN], gl.float32, s_l)
+    p_w = p
+    ds = p
+    if SELECTED:
+        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+        lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
     if WINDOW:
+        if DOC_MASK:
+            doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
+        else:
+            doc = st
         lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
+    if SELECTED and WINDOW:
         s, dp, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp, dp_w))
-    else:
+    elif SELECTED:
         s, dp = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp))
+    else:
+        s, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp_w))
     s = s * qk_scale
-    p = gl.where(_selected_visible(word, kb, pos, st), gl.exp2(s - lse_s[:, None]), 0.0)
-    ds = p * (dp - delta_s[:, None])
+    if SELECTED:
+        p = gl.where(_selected_visible(word, kb, pos, st), gl.exp2(s - lse_s[:, None]), 0.0)
+        ds = p * (dp - delta_s[:, None])
     if WINDOW:
         p_w = gl.where(_window_visible(pos, st, doc, W, DOC_MASK) & s_ok[:, None], gl.exp2(s - lse_w[:, None]), 0.0)
         ds = ds + p_w * (dp_w - delta_w[:, None])
-    else:
-        p_w = gl.zeros([BM, BN], gl.float32, s_l)
     return p.to(gl.bfloat16), p_w.to(gl.bfloat16), ds.to(gl.bfloat16)
 
 
 @gluon.jit(do_not_specialize=["T", "W"])
 def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV,
                      T, W, qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
-                     BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, STAGES: gl.constexpr,
-                     NUM_WARPS: gl.constexpr):
+                     BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr,
+                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """As `triton_selected_window._bwd_dkdv_kernel` (grid: key steps x batch * KV heads): dK and dV of one step of
-    BN keys from the query tiles that see them, written once. The tiles' q and dO rows arrive by cp.async three
-    tiles deep; each iteration issues the next tile's S and dP products before this tile's dV += P^T dO and
-    dK += dS^T q, and computes the next tile's P and dS while those run. S is [rows, keys] (per-row values cost two
-    registers a thread), and P^T, dS^T are transposed views of shared memory. On 8 warps the two warpgroups split
-    the columns of S, dP, dK and dV (4 warps spilled 152-188 B at D = 64)."""
+    BN keys from the query tiles that see them, written once (without SELECTED the window's tiles alone). The
+    tiles' q and dO rows arrive by cp.async three tiles deep; each iteration issues the next tile's S and dP
+    products before this tile's dV += P^T dO and dK += dS^T q, and computes the next tile's P and dS while those
+    run. S is [rows, keys] (per-row values cost two registers a thread), and P^T, dS^T are transposed views of
+    shared memory. On 8 warps the two warpgroups split the columns of S, dP, dK and dV (4 warps spilled 152-188 B
+    at D = 64)."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _column_split_layout(BN, NUM_WARPS)
@@ -479,21 +532,23 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_
     tma.async_copy_global_to_shared(v_desc, [row0, (h * D).to(gl.int32)], bar, v_smem)
 
     q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
-    dos_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
+    dos_bufs = q_bufs
+    if SELECTED:
+        dos_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
     dow_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BM, BN], p_sl)  # P_slc, P_win, dS of the tile in flight
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     for stage in gl.static_range(STAGES - 1):
         _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(stage), dos_bufs.index(stage), dow_bufs.index(stage),
-                     first + stage, b, h, T, d, H, G, D, QT, BM, row_l, True)
+                     first + stage, b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, True)
     mbarrier.wait(bar, 0)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
     s, dp, dp_w = _issue_tile_products(q_bufs.index(0), dos_bufs.index(0), dow_bufs.index(0), k_smem, v_smem, s_l,
-                                       BM, BN, True)
+                                       BM, BN, SELECTED, True)
     p, p_w, ds = _tile_ds(s, dp, dp_w, first, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
-                          DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 0, True)
+                          DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 0, SELECTED, True)
     p_smem.index(0).store(p)
     p_smem.index(1).store(p_w)
     p_smem.index(2).store(ds)
@@ -502,51 +557,57 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_
 
     dk = gl.zeros([BN, D], gl.float32, o_l)
     dv = gl.zeros([BN, D], gl.float32, o_l)
-    # The window's tiles: both branches. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then
-    # tile i's products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
+    # The window's tiles. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then tile i's
+    # products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
     for tile in range(first, win_last + 1):
         i = tile - first
         nxt = (i + STAGES - 1) % STAGES
         _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
-                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, True)
+                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, True)
         async_copy.wait_group(STAGES - 2)
         fence_async_shared()
         gl.thread_barrier()
         cur, nx = i % STAGES, (i + 1) % STAGES
         s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
-                                           s_l, BM, BN, True)
-        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
+                                           s_l, BM, BN, SELECTED, True)
+        if SELECTED:
+            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
         dv = warpgroup_mma(p_smem.index(1).permute((1, 0)), dow_bufs.index(cur), dv, is_async=True)
         dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 3, True)
+        if SELECTED:
+            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 3, True, True)
+        else:
+            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, False, True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        p_smem.index(0).store(p)
+        if SELECTED:
+            p_smem.index(0).store(p)
         p_smem.index(1).store(p_w)
         p_smem.index(2).store(ds)
         fence_async_shared()
         gl.thread_barrier()
-    # The later tiles: the selected branch alone.
-    for tile in range(win_last + 1, n_tiles):
-        i = tile - first
-        nxt = (i + STAGES - 1) % STAGES
-        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
-                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, False)
-        async_copy.wait_group(STAGES - 2)
-        fence_async_shared()
-        gl.thread_barrier()
-        cur, nx = i % STAGES, (i + 1) % STAGES
-        s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
-                                           s_l, BM, BN, False)
-        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
-        dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, False)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        p_smem.index(0).store(p)  # (P_w: no later tile reads it)
-        p_smem.index(2).store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
+    if SELECTED:  # The later tiles: the selected branch alone.
+        for tile in range(win_last + 1, n_tiles):
+            i = tile - first
+            nxt = (i + STAGES - 1) % STAGES
+            _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
+                         tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, True, False)
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            cur, nx = i % STAGES, (i + 1) % STAGES
+            s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem,
+                                               v_smem, s_l, BM, BN, True, False)
+            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
+            dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, True, False)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            p_smem.index(0).store(p)  # (P_w: no later tile reads it)
+            p_smem.index(2).store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
     async_copy.wait_group(0)  # the gathers past the last tile
     mbarrier.invalidate(bar)
 
@@ -563,8 +624,9 @@ def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int) -> bool:
             and q.shape[-1] in _HEAD_DIMS and block_size == _BN)
 
 
-def _launch_args(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None) -> tuple[tuple[int, int], dict]:
-    """The grid and the keyword arguments both kernels take for these inputs (ValueError where they do not run)."""
+def _launch_args(q: Tensor, k: Tensor, bits: Tensor | None, doc_start: Tensor | None) -> tuple[tuple[int, int], dict]:
+    """The grid and the keyword arguments the kernels take for these inputs (ValueError where they do not run);
+    bits None: the window alone."""
     B, T, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -573,7 +635,8 @@ def _launch_args(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None) -
                          f"{_BM} query heads per KV head; got {q.dtype}, D = {D}, G = {G}")
     QT = _BM // G
     return (-(-T // QT), B * H), dict(H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN, DOC_MASK=doc_start is not None,
-                                      STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS, num_warps=_NUM_WARPS)
+                                      SELECTED=bits is not None, STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS,
+                                      num_warps=_NUM_WARPS)
 
 
 def _step_descriptor(x: Tensor) -> TensorDescriptor:
@@ -585,36 +648,43 @@ def _step_descriptor(x: Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x.view(B * T, H * D), [_BN, D], layout)
 
 
-def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int, scale: float,
-              o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor) -> None:
+def _or(x: Tensor | None, placeholder: Tensor) -> Tensor:
+    """x, or a pointer of the right kind for a kernel argument its launch never reads or writes."""
+    return x if x is not None else placeholder
+
+
+def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: Tensor | None, window: int,
+              scale: float, o_slc: Tensor | None, o_win: Tensor, lse_slc: Tensor | None, lse_win: Tensor) -> None:
     """Launch the Gluon forward into o_slc, o_win [B, T, HQ, D] and lse_slc, lse_win [B, T, HQ] (natural log), as
     `selected_window_fwd` launches the Triton kernel: q [B, T, HQ, D], k, v [B, T, H, D] contiguous, bits
-    (`chosen_bits`) [B, H, T] int64, doc_start [B, T] int32 or None."""
+    (`chosen_bits`) [B, H, T] int64, doc_start [B, T] int32 or None. bits None: the window alone (o_slc, lse_slc
+    None)."""
     grid, meta = _launch_args(q, k, bits, doc_start)
-    doc = doc_start if doc_start is not None else bits  # a placeholder pointer, never read
-    _fwd_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), bits, doc, o_slc, o_win, lse_slc, lse_win,
-                      q.shape[1], window, scale * LOG2E, **meta)
+    _fwd_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
+                      _or(o_slc, o_win), o_win, _or(lse_slc, lse_win), lse_win, q.shape[1], window, scale * LOG2E,
+                      **meta)
 
 
-def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int, scale: float,
-                 do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
-                 delta_win: Tensor, dq: Tensor) -> None:
+def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: Tensor | None, window: int,
+                 scale: float, do_slc: Tensor | None, do_win: Tensor, lse_slc: Tensor | None, lse_win: Tensor,
+                 delta_slc: Tensor | None, delta_win: Tensor, dq: Tensor) -> None:
     """Launch the Gluon dQ kernel into dq [B, T, HQ, D], as `selected_window_bwd` launches the Triton one: the
-    forward's inputs, each branch's dO (contiguous), natural-log lse and delta [B, T, HQ] (fp32)."""
+    forward's inputs, each branch's dO (contiguous), natural-log lse and delta [B, T, HQ] (fp32); the selected
+    branch's None with bits None (the window alone)."""
     grid, meta = _launch_args(q, k, bits, doc_start)
-    doc = doc_start if doc_start is not None else bits
-    _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), bits, doc, do_slc, do_win, lse_slc, lse_win,
-                         delta_slc, delta_win, dq, q.shape[1], window, scale * LOG2E, scale, **meta)
+    _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
+                         _or(do_slc, do_win), do_win, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win),
+                         delta_win, dq, q.shape[1], window, scale * LOG2E, scale, **meta)
 
 
-def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int,
-                   scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
-                   delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
+def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: Tensor | None, window: int,
+                   scale: float, do_slc: Tensor | None, do_win: Tensor, lse_slc: Tensor | None, lse_win: Tensor,
+                   delta_slc: Tensor | None, delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Launch the Gluon dK/dV kernel into dk, dv [B, T, H, D] (as `gluon_bwd_dq`; one program per 64 keys and KV
     head)."""
     (_, bh), meta = _launch_args(q, k, bits, doc_start)
     meta |= dict(NUM_WARPS=_DKDV_WARPS, num_warps=_DKDV_WARPS)
-    doc = doc_start if doc_start is not None else bits
-    _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](q, _step_descriptor(k), _step_descriptor(v), bits, doc, do_slc,
-                                                  do_win, lse_slc, lse_win, delta_slc, delta_win, dk, dv, q.shape[1],
-                                                  window, scale * LOG2E, scale, **meta)
+    _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](
+        q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win), _or(do_slc, do_win),
+        do_win, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dk, dv, q.shape[1], window,
+        scale * LOG2E, scale, **meta)

@@ -10,9 +10,10 @@ Same contract as `nsa_reference`. Branches:
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward; with
   `selected_kernels = "gluon_hopper"` its key-block-major forward and dK/dV kernels are `gluon_selected`'s);
 - sliding window: FlexAttention (`window_backend = "flex"`), masked SDPA (`"sdpa"`), flash-attn 2's window_size
-  (`"flash_attn"`) or FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer); or, with `"fused_with_selected"`,
-  in one sweep with the selected branch (`triton_selected_window.selected_window_attention`, shared K/V; its
-  forward is `gluon_selected_window`'s under `selected_kernels = "gluon_hopper"`).
+  (`"flash_attn"`), FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer) or the fused sweep's Gluon kernels
+  without the selected branch (`"gluon_hopper"`, `triton_selected_window.window_sweep_attention`; Hopper); or, with
+  `"fused_with_selected"`, in one sweep with the selected branch (`triton_selected_window.selected_window_attention`,
+  shared K/V; its kernels are `gluon_selected_window`'s under `selected_kernels = "gluon_hopper"`).
   FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs
   a GPU.
 
@@ -43,7 +44,7 @@ from nsa_models.nsa.flex import document_block_mask, flex
 from nsa_models.nsa.triton_common import query_offsets
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
-from nsa_models.nsa.triton_selected_window import selected_window_attention
+from nsa_models.nsa.triton_selected_window import selected_window_attention, window_sweep_attention
 from nsa_models.nsa.triton_selection import select_topn
 from nsa_models.nsa.varlen import document_cu_seqlens
 
@@ -120,6 +121,8 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
         return out.view(q.shape)
     if args.window_backend == "flash_attn_4":
         return fa4_window_attention(q, k, v, w, not args.float_atomics, doc_start, args.sel_block_size)
+    if args.window_backend == "gluon_hopper":
+        return window_sweep_attention(q, k, v, w, doc_start=doc_start)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if args.window_backend == "flex" and q.is_cuda:
         if block_mask is None:

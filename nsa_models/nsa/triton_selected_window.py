@@ -420,3 +420,68 @@ def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Te
     o_slc, o_win, _, _ = selected_window_fwd(q, k, v, chosen_bits(block_indices), doc_start, block_size, window,
                                              scale, kernels)
     return o_slc, o_win
+
+
+# The sliding window alone, through the sweep's Gluon kernels without the selected branch (`window_backend =
+# "gluon_hopper"`): a tile walks only its rows' window steps. Gluon only (Hopper, bf16): `check_backend` refuses
+# the rest.
+@torch.library.custom_op("nsa::window_sweep_fwd", mutates_args=())
+def window_sweep_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor | None, window: int,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32) of the window branch alone."""
+    from nsa_models.nsa import gluon_selected_window  # only here: CPU runs never load Gluon
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    gluon_selected_window.gluon_fwd(q, k, v, None, doc_start, window, scale, None, o, None, lse)
+    return o, lse
+
+
+@window_sweep_fwd.register_fake
+def _(q, k, v, doc_start, window, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::window_sweep_bwd", mutates_args=())
+def window_sweep_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                     doc_start: Tensor | None, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of the window branch alone, given delta = rowsum(o * do) - dlse [B, T, HQ] (fp32)."""
+    from nsa_models.nsa import gluon_selected_window
+
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    stats = dict(do_slc=None, do_win=do, lse_slc=None, lse_win=lse.contiguous(), delta_slc=None,
+                 delta_win=delta.contiguous())
+    gluon_selected_window.gluon_bwd_dq(q, k, v, None, doc_start, window, scale, **stats, dq=dq)
+    gluon_selected_window.gluon_bwd_dkdv(q, k, v, None, doc_start, window, scale, **stats, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
+@window_sweep_bwd.register_fake
+def _(do, q, k, v, lse, delta, doc_start, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _window_setup_context(ctx, inputs, output):
+    q, k, v, doc_start, window, scale = inputs
+    ctx.save_for_backward(*output, q, k, v, doc_start)
+    ctx.window, ctx.scale = window, scale
+
+
+def _window_backward(ctx, do, dlse):
+    o, lse, q, k, v, doc_start = ctx.saved_tensors
+    dq, dk, dv = window_sweep_bwd(do, q, k, v, lse, triton_common.softmax_delta(o, do, dlse), doc_start, ctx.window,
+                                  ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+window_sweep_fwd.register_autograd(_window_backward, setup_context=_window_setup_context)
+
+
+def window_sweep_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
+                           doc_start: Tensor | None = None) -> Tensor:
+    """The window branch [B, T, HQ, D]: query t attends keys max(doc_start[t], t - window + 1) .. t of k, v
+    [B, T, H, D] (doc_start [B, T] int32 or None), through the Gluon kernels (`window_sweep_fwd`)."""
+    triton_common.check_batch_heads(q.shape[0], k.shape[2], "window attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return window_sweep_fwd(q, k, v, doc_start, window, scale)[0]
