@@ -7,7 +7,7 @@ random dO of each branch): within 1e-2 relative error. The Triton bf16 kernels a
 failure names the kernel that moved.
 
 Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
-`selected_kernels = "gluon_hopper"` (the three Gluon kernels launched) against "triton", and with `window_backend =
+`selected_kernels = "gluon_hopper"` (the Gluon dK/dV launched) against "triton", and with `window_backend =
 "gluon_hopper"` (the kernels without the selected branch) against FlexAttention's window: logits and every gradient
 within 1e-2 relative error.
 """
@@ -54,18 +54,21 @@ def _forward(launch, q, k, v, bits, doc, window) -> tuple[torch.Tensor, ...]:
 
 
 def _inputs(B: int, T: int, H: int, G: int, D: int, documents: bool) -> tuple[torch.Tensor, ...]:
-    """bf16 q, k, v, the chosen blocks' bits and (with documents: starting at random multiples of 64) doc_start."""
+    """bf16 q, k, v, the chosen blocks' bits and (with documents: starting at random multiples of 64) doc_start.
+    With documents a query's chosen blocks lie inside its document, as the selection gives them: the kernels walk
+    only the steps from the document's start."""
     gen = torch.Generator("cuda").manual_seed(T + G)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
     v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
-    bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
+    block_indices = random_block_indices(B, H, T, N_SEL, BS, "cuda")
     doc = None
     if documents:
         cuts = torch.randint(1, T // BS, (B, 3), device="cuda", generator=gen) * BS
         t = torch.arange(T, device="cuda")
         doc = torch.where(t[None, None, :] >= cuts[:, :, None], cuts[:, :, None], 0).amax(1).int()
-    return q, k, v, bits, doc
+        block_indices = torch.where(block_indices * BS >= doc[:, None, :, None], block_indices, -1)
+    return q, k, v, chosen_bits(block_indices), doc
 
 
 def _with_block_size(triton_launch):
@@ -191,7 +194,7 @@ def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, mo
     want = _model_run(flavor, tokens, selected_kernels="triton", **fused)
     assert calls == []
     got = _model_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
-    assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
+    assert calls == ["gluon_bwd_dkdv"]  # the forward and dQ stay Triton's (measured faster)
     _assert_close(got, want)
 
 

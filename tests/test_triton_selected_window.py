@@ -73,6 +73,7 @@ def reference_branches(q, k, v, idx, window, doc):
     (1, 50, 16, 16, 3, 16, True, 16),    # 4 queries a tile
     (1, 45, 1, 64, 3, 33, False, 64),    # D = 64; 64 queries a tile
     (1, 48, 3, 64, 4, 24, True, 64),
+    (2, 150, 2, 16, 4, 40, True, 16),   # two rows of documents: the walks start and stop at each row's own
 ])
 def test_selected_window_matches_reference(B, T, G, D, n, window, documents, keys, monkeypatch):
     for launch in (sw.FWD_LAUNCH, sw.DQ_LAUNCH, sw.DKDV_LAUNCH):
@@ -179,11 +180,11 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("documents", [False, True])
-def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
-    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward, dQ and dK/dV are
-    `gluon_selected_window.gluon_fwd` / `gluon_bwd_dq` / `gluon_bwd_dkdv`'s, given what the Triton launches
-    (`triton_fwd`, `triton_bwd_dq`, `triton_bwd_dkdv`) get but the block size (the Gluon kernels' is 64) and writing
-    the same outputs. Here (CPU) the Gluon launches are recording stand-ins that run the Triton ones on those
+def test_gluon_dkdv_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused dK/dV is `gluon_selected_window.
+    gluon_bwd_dkdv`'s, given what the Triton launch (`triton_bwd_dkdv`) gets but the block size (the Gluon kernel's
+    is 64) and writing the same outputs; the forward and dQ stay Triton's (the Gluon ones measured slower,
+    docs/KERNELS.md). Here (CPU) the Gluon launch is a recording stand-in that runs the Triton one on those
     arguments, so the outputs and gradients are the default path's, bit for bit; the Gluon kernels themselves run
     in tests/test_gluon_selected_window.py (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
@@ -196,9 +197,9 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents
             triton_launch(q, k, v, bits, doc_start, BS, window, scale, **tensors)
         return launch
 
-    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", stand_in("fwd", sw.triton_fwd))
-    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", stand_in("dq", sw.triton_bwd_dq))
-    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv", stand_in("dkdv", sw.triton_bwd_dkdv))
+    for name, triton_launch in [("fwd", sw.triton_fwd), ("dq", sw.triton_bwd_dq), ("dkdv", sw.triton_bwd_dkdv)]:
+        monkeypatch.setattr(gluon_selected_window, f"gluon_{'bwd_' if name != 'fwd' else ''}{name}",
+                            stand_in(name, triton_launch))
     B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
     gen = torch.Generator().manual_seed(3)
     doc = document_starts(B, T, gen) if documents else None
@@ -213,8 +214,7 @@ def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents
         results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
     shapes = (q.shape, (B, H, T), documents, window, D ** -0.5)
     stats = ["delta_slc", "delta_win", "do_slc", "do_win", "lse_slc", "lse_win"]
-    assert calls == [("fwd", *shapes, ["lse_slc", "lse_win", "o_slc", "o_win"]),
-                     ("dq", *shapes, sorted(stats + ["dq"])), ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
+    assert calls == [("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
     for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
 

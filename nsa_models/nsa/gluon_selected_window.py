@@ -17,6 +17,14 @@ dK/dV: one program per 64 keys walks the query tiles that see them (q and dO row
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
 split the columns.
 
+Routed: the dK/dV kernel under `window_backend = "fused_with_selected"` with `selected_kernels = "gluon_hopper"`
+(H200, 1.27x Triton's at nsa-125m's 16 x 2k), and all three without the selected branch as `window_backend =
+"gluon_hopper"`. The fused forward and dQ measured 0.75-0.78x Triton's (docs/KERNELS.md): `bench/gluon_selected.py
+fused` times them against Triton's; they are routed once they win.
+
+With packed documents a tile walks from its first query's document start, and a dK/dV program stops at the end of
+its keys' documents (`document_query_ends`): the selection chooses blocks inside the query's document.
+
 Supported: bf16, head dim 64 or 128, selection blocks of 64 keys, at most 64 query heads per KV head
 (`supported`); the caller keeps the Triton kernels elsewhere.
 """
@@ -38,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nsa_models.nsa.gluon_selected import _mma_layout, _row_layout
-from nsa_models.nsa.triton_common import LOG2E
+from nsa_models.nsa.triton_common import LOG2E, document_query_ends
 
 _NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a query tile's rows
 _BM = 64  # rows (queries x heads) of a query tile
@@ -121,18 +129,22 @@ def _write_rows(O, LSE, acc, m, l, rows, ok, s_rows, s_ok, d, D: gl.constexpr, o
 
 
 @gluon.jit
-def _tile(T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.constexpr):
+def _tile(DOC, T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads): the batch row times H plus the KV head,
-    batch, KV head, first query, key steps (to the tile's last query), the first step inside any of its rows'
-    windows (positions and steps in int32: shared-memory stages take int32 indices), and its keys' first row and
-    column in the [B * T, H * D] views (TMA coordinates: int32)."""
+    batch, KV head, first query, key steps (to the tile's last query), the first step any row sees (its document's:
+    the tile's first query has the earliest), the first inside any row's window (positions and steps in int32:
+    shared-memory stages take int32 indices), and its keys' first row and column in the [B * T, H * D] views (TMA
+    coordinates: int32)."""
     tile = gl.program_id(0)
     bh = gl.program_id(1).to(gl.int64)
     b, h = bh // H, bh % H
     first = tile * QT
     n_steps = (gl.minimum(first + QT, T) - 1) // BN + 1
-    win_step = gl.maximum(first - W + 1, 0) // BN
-    return bh, b, h, first, n_steps, win_step, (b * T).to(gl.int32), (h * D).to(gl.int32)
+    doc_first = first * 0
+    if DOC_MASK:
+        doc_first = gl.load(DOC + b * T + first)
+    win_step = gl.maximum(first - W + 1, doc_first) // BN
+    return bh, b, h, first, n_steps, doc_first // BN, win_step, (b * T).to(gl.int32), (h * D).to(gl.int32)
 
 
 @gluon.jit
@@ -182,10 +194,10 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
 
-    bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
+    bh, b, h, first, n_steps, doc_step, win_step, row0, col = _tile(DOC, T, W, H, D, QT, BN, DOC_MASK)
     start = win_step
     if SELECTED:
-        start = 0
+        start = doc_step
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
     # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
@@ -233,7 +245,7 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     gl.thread_barrier()
 
     if SELECTED:  # Steps before the window: one product a step; step j + 1 may be the window's first.
-        for j in range(0, win_step):
+        for j in range(start, win_step):
             s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
             acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, )) * qk_scale
@@ -323,10 +335,10 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
 
-    bh, b, h, first, n_steps, win_step, row0, col = _tile(T, W, H, D, QT, BN)
+    bh, b, h, first, n_steps, doc_step, win_step, row0, col = _tile(DOC, T, W, H, D, QT, BN, DOC_MASK)
     start = win_step
     if SELECTED:
-        start = 0
+        start = doc_step
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
@@ -374,7 +386,7 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     gl.thread_barrier()
 
     if SELECTED:  # Steps before the window: the selected branch's dP alone (the window's, at its first step, after).
-        for j in range(0, win_step):
+        for j in range(start, win_step):
             s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
             dp = _issue_dp(dos_smem, v_smem, j + 1, STAGES, s_l, BM, BN)
             dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
@@ -495,7 +507,7 @@ def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC
 
 
 @gluon.jit(do_not_specialize=["T", "W"])
-def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV,
+def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV,
                      T, W, qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr,
                      STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -518,9 +530,12 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_
     b, h = bh // H, bh % H
     first = kb * BN // QT
     # The tiles up to the last query whose window holds one of the keys see them through both branches; the later
-    # ones through the selected branch alone.
-    win_last = gl.minimum(kb * BN + BN + W - 2, T - 1) // QT
-    n_tiles = gl.cdiv(T, QT)
+    # ones through the selected branch alone, up to the end of the keys' documents (QEND: `document_query_ends`).
+    if DOC_MASK:
+        n_tiles = gl.cdiv(gl.load(QEND + b * gl.cdiv(T, BN) + kb), QT)
+    else:
+        n_tiles = gl.cdiv(T, QT)
+    win_last = gl.minimum(gl.minimum(kb * BN + BN + W - 2, T - 1) // QT, n_tiles - 1)
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
@@ -684,7 +699,9 @@ def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_sta
     head)."""
     (_, bh), meta = _launch_args(q, k, bits, doc_start)
     meta |= dict(NUM_WARPS=_DKDV_WARPS, num_warps=_DKDV_WARPS)
+    query_ends = None if doc_start is None else document_query_ends(doc_start, _BN)
     _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](
-        q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win), _or(do_slc, do_win),
+        q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
+        _or(query_ends, lse_win), _or(do_slc, do_win),
         do_win, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dk, dv, q.shape[1], window,
         scale * LOG2E, scale, **meta)

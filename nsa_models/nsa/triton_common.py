@@ -111,3 +111,13 @@ def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
     cotangent shifts it)."""
     delta = (o.float() * do.float()).sum(-1)
     return delta if dlse is None else delta - dlse
+
+
+def document_query_ends(doc_start: Tensor, step: int) -> Tensor:
+    """[B, ceil(T / step)] int32: for each step of `step` keys, how many queries see any of them at most, the queries
+    whose document starts at or before the step's last key (doc_start [B, T] int32, nondecreasing along T). Every
+    later query belongs to a later document: a key-major backward stops its walk there."""
+    B, T = doc_start.shape
+    last_keys = (torch.arange(step - 1, T + step - 1, step, device=doc_start.device, dtype=torch.int32)
+                 .clamp_(max=T - 1).expand(B, -1).contiguous())
+    return torch.searchsorted(doc_start, last_keys, right=True, out_int32=True)

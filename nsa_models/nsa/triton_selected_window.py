@@ -9,14 +9,15 @@ doc_start[t] with packed documents).
 A query tile (QT consecutive queries x their G heads as the rows of one matrix-unit tile) walks its causal prefix once,
 `keys` keys (one or more selection blocks) a step. One Q Kᵀ per step serves both branches: the steps before the tile's
 window feed the selected branch's online softmax alone (rows mask the blocks they did not choose); the steps of the
-window feed two softmax states. Where a query's causal prefix has at most n selection blocks it chose all of them, and
+window feed two softmax states. With packed documents a tile starts at its first query's document (no row sees an
+earlier key: the window stops at the document, and the selection chooses blocks inside it). Where a query's causal prefix has at most n selection blocks it chose all of them, and
 the selected branch is causal attention over the prefix: at T = 2 n l' (nsa-125m's 2048 tokens) that is half of the
 rows, and the other half chose half of its blocks, so walking the whole prefix wastes little there. The work grows with
 T²: `MAX_FUSED_BLOCKS` (nsa_models.args) bounds where it is offered.
 
 Backward, no float atomics, bitwise repeatable: dK/dV by one program per (`keys` keys, batch, KV head) that walks the
-query tiles that can see them (the window's with both branches, the later ones with the selected branch alone) and
-writes its block's gradients once; dQ by the forward's tiles. No per-slot partials, no work lists.
+query tiles that can see them (the window's with both branches, the later ones with the selected branch alone, up to
+the end of the keys' documents: `triton_common.document_query_ends`) and writes its block's gradients once; dQ by the forward's tiles. No per-slot partials, no work lists.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _query_tile(Q, BITS, DOC, T, W, H: tl.constexpr, G: tl.constexpr, D: tl.cons
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, DOC_MASK: tl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads): positions, row offsets, which exist, the
     q / row masks, q, each row's bitmask and document start, the batch and KV head, head-dim lanes and their
-    validity, the first key step of any row's window and the last key step."""
+    validity, the first key step any row sees (its document's), the first of any row's window and the last."""
     tile = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -119,8 +120,10 @@ def _query_tile(Q, BITS, DOC, T, W, H: tl.constexpr, G: tl.constexpr, D: tl.cons
     word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
     first = tile * QT
     last = tl.minimum(first + QT, T) - 1
+    # No row sees a key before its document's start, and the tile's first query has the earliest one.
+    doc_first = tl.load(DOC + b * T + first).to(tl.int64) if DOC_MASK else first * 0
     return (t, rows, row_ok, qd_mask, q, word, _doc_starts(DOC, b, t, row_ok, T, DOC_MASK), b, h, d, d_ok,
-            tl.maximum(first - W + 1, 0) // BN, last // BN)
+            doc_first // BN, tl.maximum(first - W + 1, doc_first) // BN, last // BN)
 
 
 @triton.jit(do_not_specialize=["T", "W"])
@@ -128,7 +131,7 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                 DOC_MASK: tl.constexpr):
-    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, win_step, last_step = _query_tile(
+    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
         Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
     u = tl.arange(0, BN)
     m_s = tl.full([BM], float("-inf"), tl.float32)
@@ -136,7 +139,7 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
     acc_s = tl.zeros([BM, BD], tl.float32)
     m_w, l_w, acc_w = m_s, l_s, acc_s
     # Before the window: every key precedes every row's query by w or more, so only the choice masks.
-    for step in range(0, win_step):
+    for step in range(doc_step, win_step):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
         s = _keep_chosen(s, float("-inf"), word, step, pos, BS, BN)
         m_s, l_s, acc_s = online_softmax_update(m_s, l_s, acc_s, s, v, PRECISION)
@@ -168,13 +171,13 @@ def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_S
                    scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                    QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, DOC_MASK: tl.constexpr):
-    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, win_step, last_step = _query_tile(
+    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
         Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
     u = tl.arange(0, BN)
     do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
     do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
-    for step in range(0, win_step):
+    for step in range(doc_step, win_step):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
         p = _keep_chosen(tl.exp2(s - lse_s[:, None]), 0.0, word, step, pos, BS, BN)
         dp = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
@@ -213,7 +216,7 @@ def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, st
 
 
 @triton.jit(do_not_specialize=["T", "W"])
-def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
+def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
                      qk_scale, scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      BN: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
@@ -232,8 +235,10 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA
     dv = tl.zeros([BN, BD], tl.float32)
     first = step * BN // QT
     # The tiles up to the last query whose window holds one of the keys see them through both branches; the later
-    # ones (all of the keys causally visible, none in their window) through the selected one alone.
-    win_last = tl.minimum(step * BN + BN + W - 2, T - 1) // QT
+    # ones (all of the keys causally visible, none in their window) through the selected one alone, up to the end
+    # of the keys' documents (QEND: `document_query_ends`).
+    n_tiles = tl.cdiv(tl.load(QEND + b * tl.cdiv(T, BN) + step) if DOC_MASK else T, QT)
+    win_last = tl.minimum(tl.minimum(step * BN + BN + W - 2, T - 1) // QT, n_tiles - 1)
     for tile in range(first, win_last + 1):
         t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
             Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
@@ -247,7 +252,7 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA
         dp_w = tl.dot(v, tl.trans(do_w), input_precision=PRECISION)
         ds += p_w * (dp_w - delta_w[None, :])
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-    for tile in range(win_last + 1, tl.cdiv(T, QT)):
+    for tile in range(win_last + 1, n_tiles):
         t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
             Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
             BN, QT, BM, PRECISION, False)
@@ -292,19 +297,14 @@ def _operands(k: Tensor, v: Tensor, args: dict) -> tuple:
 def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
                         window: int, scale: float, kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`.
-    kernels (`model.nsa.selected_kernels`): "gluon_hopper" runs `gluon_selected_window`'s forward (Hopper, bf16,
-    head dim 64 or 128, blocks of 64 keys: it raises outside them), "triton" this module's."""
+    kernels (`model.nsa.selected_kernels`) rides along for the backward (`selected_window_bwd`): the forward is
+    Triton's either way (Gluon's measured 0.75-0.78x as fast, docs/KERNELS.md)."""
     q, k, v, bits = q.contiguous(), k.contiguous(), v.contiguous(), bits.contiguous()
     o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
     lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
     lse_win = torch.empty_like(lse_slc)
-    outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
-    if kernels == "gluon_hopper":
-        from nsa_models.nsa import gluon_selected_window  # only then: CPU runs never load Gluon
-
-        gluon_selected_window.gluon_fwd(q, k, v, bits, doc_start, window, scale, **outputs)
-    else:
-        triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, **outputs)
+    triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
+               lse_win=lse_win)
     return o_slc, o_win, lse_slc, lse_win
 
 
@@ -329,19 +329,19 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
                         doc_start: Tensor | None, block_size: int, window: int, scale: float,
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
-    kernels as the forward's: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels."""
+    kernels: "gluon_hopper" runs `gluon_selected_window`'s dK/dV kernel (Hopper, bf16, head dim 64 or 128, blocks of
+    64 keys: it raises outside them), dQ stays Triton's (Gluon's measured slower); "triton" this module's."""
     q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
     bits = bits.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
                  delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
+    triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
     if kernels == "gluon_hopper":
-        from nsa_models.nsa import gluon_selected_window
+        from nsa_models.nsa import gluon_selected_window  # only then: CPU runs never load Gluon
 
-        gluon_selected_window.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
         gluon_selected_window.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
     else:
-        triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
         triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv)
     return dq, dk, dv
 
@@ -370,9 +370,10 @@ def triton_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Te
     size)."""
     args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
     k_op, v_op = _operands(k, v, args)
+    query_ends = args["DOC"] if doc_start is None else triton_common.document_query_ends(doc_start, args["BN"])
     _bwd_dkdv_kernel[(triton.cdiv(q.shape[1], args["BN"]), q.shape[0] * args["H"])](
-        q, k_op, v_op, DK=dk, DV=dv, scale=scale, **args, **_grad_args(do_slc, do_win, lse_slc, lse_win, delta_slc,
-                                                                       delta_win))
+        q, k_op, v_op, QEND=query_ends, DK=dk, DV=dv, scale=scale, **args,
+        **_grad_args(do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
 
 
 @selected_window_bwd.register_fake
@@ -411,8 +412,8 @@ def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Te
                               scale: float | None = None, doc_start: Tensor | None = None,
                               kernels: str = "triton") -> tuple[Tensor, Tensor]:
     """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
-    [B, H, T, n] int64 (-1: none); doc_start [B, T] int32 (multiples of block_size) or None; kernels: the
-    forward's and dQ's (`selected_window_fwd`, `selected_window_bwd`)."""
+    [B, H, T, n] int64 (-1: none), inside each query's document; doc_start [B, T] int32 (multiples of block_size)
+    or None; kernels: the dK/dV kernel's (`selected_window_bwd`: "gluon_hopper" runs Gluon's on Hopper)."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
