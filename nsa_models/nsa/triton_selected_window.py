@@ -10,14 +10,16 @@ A query tile (QT consecutive queries x their G heads as the rows of one matrix-u
 `keys` keys (one or more selection blocks) a step. One Q Kᵀ per step serves both branches: the steps before the tile's
 window feed the selected branch's online softmax alone (rows mask the blocks they did not choose); the steps of the
 window feed two softmax states. With packed documents a tile starts at its first query's document (no row sees an
-earlier key: the window stops at the document, and the selection chooses blocks inside it). Where a query's causal prefix has at most n selection blocks it chose all of them, and
-the selected branch is causal attention over the prefix: at T = 2 n l' (nsa-125m's 2048 tokens) that is half of the
-rows, and the other half chose half of its blocks, so walking the whole prefix wastes little there. The work grows with
-T²: `MAX_FUSED_BLOCKS` (nsa_models.args) bounds where it is offered.
+earlier key: the window stops at the document, and the selection chooses blocks inside it). Where a query's causal
+prefix has at most n selection blocks it chose all of them, and the selected branch is causal attention over the prefix:
+at T = 2 n l' (nsa-125m's 2048 tokens) that is half of the rows, and the other half chose half of its blocks, so walking
+the whole prefix wastes little there. The work grows with T²: `MAX_FUSED_BLOCKS` (nsa_models.args) bounds where it is
+offered.
 
 Backward, no float atomics, bitwise repeatable: dK/dV by one program per (`keys` keys, batch, KV head) that walks the
-query tiles that can see them (the window's with both branches, the later ones with the selected branch alone, up to
-the end of the keys' documents: `triton_common.document_query_ends`) and writes its block's gradients once; dQ by the forward's tiles. No per-slot partials, no work lists.
+query tiles that can see them (the window's with both branches, the later ones with the selected branch alone, up to the
+end of the keys' documents: `triton_common.document_query_ends`) and writes its block's gradients once; dQ by the
+forward's tiles. No per-slot partials, no work lists.
 """
 
 from __future__ import annotations
