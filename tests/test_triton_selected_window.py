@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nsa_models.args import MAX_FUSED_BLOCKS, ModelArgs, NSAArgs
+from nsa_models.nsa import triton_common
 from nsa_models.nsa import triton_selected_window as sw
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
@@ -266,3 +267,15 @@ def test_window_sweep_op_matches_the_sdpa_window(documents: bool, monkeypatch):
     assert all(x is None for c in calls for x in c[1:]), "the window-only launches get no selected-branch tensors"
     for name, want, got in zip(["out", "dq", "dk", "dv"], results["sdpa"], results["gluon_hopper"]):
         assert rel_err(got, want) < 1e-5, name
+
+
+def test_document_query_ends_counts_the_queries_of_each_steps_documents():
+    """`document_query_ends` against a count: for each step of keys, the queries whose document starts at or before
+    the step's last key (T not a multiple of the step)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, step = 3, 150, 32
+    doc = document_starts(B, T, gen)
+    got = triton_common.document_query_ends(doc, step)
+    last_keys = [min(s + step - 1, T - 1) for s in range(0, T, step)]
+    want = torch.tensor([[int((doc[b] <= key).sum()) for key in last_keys] for b in range(B)], dtype=torch.int32)
+    assert torch.equal(got, want)
