@@ -1,19 +1,25 @@
 """Helpers shared by the test modules (no test module imports another): running train.py / run.sh and reading its
-tensorboard events, skipping without optional packages, packed documents, and judging a top-n block selection.
+tensorboard events, skipping without optional packages, packed documents, judging a top-n block selection, and one
+model block's logits and gradients.
 
 The brute-force NSA oracle lives beside this, in `tests/nsa_oracle.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
+from nsa_models.model import Transformer
+from nsa_models.nsa import check_backend
 from nsa_models.nsa.reference import compressed_branch, selection_scores
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,3 +168,22 @@ def assert_valid_selection(idx: Tensor, scores: Tensor, n: int, tol: float) -> N
     best_left = torch.where(candidates & ~chosen, finite, float("-inf")).amax(-1)
     excess = ((best_left - worst_kept) / scale).max().item()
     assert excess <= tol, f"an unchosen block scores {excess:.2e} (relative) above a chosen one"
+
+
+# --- one model block -------------------------------------------------------------------------------------------
+
+def one_block_run(flavor: str, tokens: Tensor, **nsa) -> tuple[Tensor, dict[str, Tensor]]:
+    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, the
+    triton backend with the `nsa` keys given (checked as a run's start checks them)."""
+    args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
+    args.nsa = dataclasses.replace(args.nsa, backend="triton", **nsa)
+    check_backend(args.nsa, tokens.device, torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=tokens.device)
+    model.init_weights()
+    model = model.to(torch.bfloat16)
+    logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}

@@ -13,16 +13,12 @@ the same slots (rows that see no key). Backward: DK_PART / DV_PART within 1e-2 r
 (NaN elsewhere), DQ_PART within 1e-2 on the chosen slots (NaN elsewhere).
 """
 
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bench.gluon_selected import dkdv_launch, item_launch
-from nsa_models import get_flavor
-from nsa_models.model import Transformer
-from nsa_models.nsa import check_backend, gluon_selected
+from nsa_models.nsa import gluon_selected
+from tests.helpers import one_block_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,22 +101,6 @@ def test_gluon_dkdv_matches_triton(B: int, T: int, H: int, G: int, D: int, q_sta
         assert err <= 1e-2, f"DQ_PART relative error {err:.2e}"
 
 
-def _model_run(flavor: str, kernels: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16."""
-    args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
-    args.nsa = dataclasses.replace(args.nsa, backend="triton", selected_kernels=kernels)
-    check_backend(args.nsa, tokens.device, torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=tokens.device)
-    model.init_weights()
-    model = model.to(torch.bfloat16)
-    logits = model(tokens)
-    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
-    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
 def test_model_block_with_gluon_selected_kernels_matches_triton(flavor: str, monkeypatch):
     """selected_kernels = "gluon_hopper" end to end through the model: 2 x 4096 tokens (64 key blocks > 2n = 32 at
@@ -132,9 +112,9 @@ def test_model_block_with_gluon_selected_kernels_matches_triton(flavor: str, mon
         monkeypatch.setattr(gluon_selected, name,
                             lambda *a, _launch=launch, _name=name, **kw: (calls.append(_name), _launch(*a, **kw))[1])
     tokens = torch.randint(0, 512, (2, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    want_logits, want_grads = _model_run(flavor, "triton", tokens)
+    want_logits, want_grads = one_block_run(flavor, tokens, selected_kernels="triton")
     assert calls == []
-    got_logits, got_grads = _model_run(flavor, "gluon_hopper", tokens)
+    got_logits, got_grads = one_block_run(flavor, tokens, selected_kernels="gluon_hopper")
     assert calls == ["gluon_fwd_items", "gluon_bwd_dkdv_items"]
     errors = {"logits": _rel_err(got_logits, want_logits)}
     errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items()}

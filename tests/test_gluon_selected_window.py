@@ -12,17 +12,13 @@ Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fus
 within 1e-2 relative error.
 """
 
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bench.attention import random_block_indices
-from nsa_models import get_flavor
-from nsa_models.model import Transformer
-from nsa_models.nsa import check_backend, gluon_selected_window
+from nsa_models.nsa import gluon_selected_window
 from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
+from tests.helpers import one_block_run, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,10 +34,6 @@ CASES = [  # B, T, H (KV heads), G, D, window, documents
     (1, 4096, 2, 16, 128, 512, False),  # G = 16: 4 queries a tile; 64 selection blocks, the most the sweep takes
     (1, 300, 4, 1, 64, 100, True),  # G = 1: 64 queries a tile; a window that is no multiple of 64
 ]
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def _forward(launch, q, k, v, bits, doc, window) -> tuple[torch.Tensor, ...]:
@@ -102,7 +94,7 @@ def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int
             x, w = outputs[name], want[name]
             assert not x.isnan().any(), f"{kernel}: {name} has NaN (unwritten rows?)"
             if name.startswith("o_"):
-                err = _rel_err(x, w)
+                err = rel_err(x, w)
                 assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
             else:
                 assert torch.equal(x.isinf(), w.isinf()), f"{kernel}: {name} is -inf in other rows"
@@ -147,25 +139,8 @@ def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: in
     for kernel, grads in got.items():
         for name, x, w in zip(["dq", "dk", "dv"], grads, want):
             assert not x.isnan().any(), f"{kernel}: {name} has NaN (unwritten rows?)"
-            err = _rel_err(x, w)
+            err = rel_err(x, w)
             assert err <= 1e-2, f"{kernel}: {name} relative error {err:.2e}"
-
-
-def _model_run(flavor: str, tokens: torch.Tensor, **nsa) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, the
-    triton backend with the `nsa` keys given."""
-    args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
-    args.nsa = dataclasses.replace(args.nsa, backend="triton", **nsa)
-    check_backend(args.nsa, tokens.device, torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=tokens.device)
-    model.init_weights()
-    model = model.to(torch.bfloat16)
-    logits = model(tokens)
-    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
-    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
 def _recorded_launches(monkeypatch) -> list[str]:
@@ -180,8 +155,8 @@ def _recorded_launches(monkeypatch) -> list[str]:
 
 def _assert_close(got: tuple, want: tuple) -> None:
     (got_logits, got_grads), (want_logits, want_grads) = got, want
-    errors = {"logits": _rel_err(got_logits, want_logits)}
-    errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
+    errors = {"logits": rel_err(got_logits, want_logits)}
+    errors |= {name: rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-2, f"{worst}: relative error {errors[worst]:.2e}"
 
@@ -191,9 +166,9 @@ def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, mo
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     fused = dict(window_backend="fused_with_selected", separate_kv=False)
-    want = _model_run(flavor, tokens, selected_kernels="triton", **fused)
+    want = one_block_run(flavor, tokens, selected_kernels="triton", **fused)
     assert calls == []
-    got = _model_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
+    got = one_block_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
     assert calls == ["gluon_bwd_dkdv"]  # the forward and dQ stay Triton's (measured faster)
     _assert_close(got, want)
 
@@ -203,8 +178,8 @@ def test_model_block_with_the_gluon_window_matches_flex(flavor: str, T: int, mon
     """window_backend = "gluon_hopper" against FlexAttention's window, at 8k (nsa-125m) and 2k (nsa-1b)."""
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (1, T), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    want = _model_run(flavor, tokens, window_backend="flex")
+    want = one_block_run(flavor, tokens, window_backend="flex")
     assert calls == []
-    got = _model_run(flavor, tokens, window_backend="gluon_hopper")
+    got = one_block_run(flavor, tokens, window_backend="gluon_hopper")
     assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
     _assert_close(got, want)

@@ -129,12 +129,14 @@ def _write_rows(O, LSE, acc, m, l, rows, ok, s_rows, s_ok, d, D: gl.constexpr, o
 
 
 @gluon.jit
-def _tile(DOC, T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr):
+def _tile(k_desc, v_desc, DOC, T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.constexpr,
+          DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, STAGES: gl.constexpr):
     """This program's query tile (grid: query tiles x batch * KV heads): the batch row times H plus the KV head,
-    batch, KV head, first query, key steps (to the tile's last query), the first step any row sees (its document's:
-    the tile's first query has the earliest), the first inside any row's window (positions and steps in int32:
-    shared-memory stages take int32 indices), and its keys' first row and column in the [B * T, H * D] views (TMA
-    coordinates: int32)."""
+    batch, KV head, first query, key steps (to the tile's last query), the first step inside any row's window, the
+    first step it walks (with SELECTED the first any row sees, its document's: the tile's first query has the
+    earliest; else the window's), its keys' first row and column in the [B * T, H * D] views (TMA coordinates:
+    int32), and the key / value ring with the loads of its first steps issued (`_kv_ring`). Positions and steps in
+    int32: shared-memory stages take int32 indices."""
     tile = gl.program_id(0)
     bh = gl.program_id(1).to(gl.int64)
     b, h = bh // H, bh % H
@@ -144,7 +146,28 @@ def _tile(DOC, T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BN: gl.
     if DOC_MASK:
         doc_first = gl.load(DOC + b * T + first)
     win_step = gl.maximum(first - W + 1, doc_first) // BN
-    return bh, b, h, first, n_steps, doc_first // BN, win_step, (b * T).to(gl.int32), (h * D).to(gl.int32)
+    start = win_step
+    if SELECTED:
+        start = doc_first // BN
+    row0, col = (b * T).to(gl.int32), (h * D).to(gl.int32)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
+    return bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars
+
+
+@gluon.jit
+def _row_choices(BITS, DOC, bh, b, h, first, T, H: gl.constexpr, G: gl.constexpr, QT: gl.constexpr,
+                 BM: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, layout: gl.constexpr):
+    """The tile's rows in S's row layout: positions, which exist, offsets (`_tile_rows`), each query's chosen blocks
+    (0 without SELECTED) and its document's start (its position without DOC_MASK)."""
+    st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, layout)
+    word = gl.zeros([BM], gl.int64, layout)
+    if SELECTED:
+        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
+    if DOC_MASK:
+        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
+    else:
+        doc = st
+    return st, s_ok, s_rows, word, doc
 
 
 @gluon.jit
@@ -194,11 +217,8 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
 
-    bh, b, h, first, n_steps, doc_step, win_step, row0, col = _tile(DOC, T, W, H, D, QT, BN, DOC_MASK)
-    start = win_step
-    if SELECTED:
-        start = doc_step
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
+    bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars = _tile(
+        k_desc, v_desc, DOC, T, W, H, D, QT, BN, DOC_MASK, SELECTED, STAGES)
     # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
@@ -206,15 +226,8 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     fence_async_shared()
     gl.thread_barrier()
 
-    # Per-row values in S's layout: positions, which exist, the query's chosen blocks, its document's start.
-    st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
-    word = gl.zeros([BM], gl.int64, srow_l)
-    if SELECTED:
-        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
-    if DOC_MASK:
-        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
-    else:
-        doc = st
+    st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
+                                               srow_l)
     u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
 
     m_s = gl.full([BM], float("-inf"), gl.float32, srow_l)
@@ -335,11 +348,8 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
 
-    bh, b, h, first, n_steps, doc_step, win_step, row0, col = _tile(DOC, T, W, H, D, QT, BN, DOC_MASK)
-    start = win_step
-    if SELECTED:
-        start = doc_step
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, start, n_steps, row0, col, STAGES, BN, D)
+    bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars = _tile(
+        k_desc, v_desc, DOC, T, W, H, D, QT, BN, DOC_MASK, SELECTED, STAGES)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
     q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
@@ -352,17 +362,12 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     fence_async_shared()
     gl.thread_barrier()
 
-    st, s_ok, s_rows = _tile_rows(first, b, h, T, H, G, QT, BM, srow_l)
-    word = gl.zeros([BM], gl.int64, srow_l)
+    st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
+                                               srow_l)
     lse_s = gl.zeros([BM], gl.float32, srow_l)
     delta_s = lse_s
     if SELECTED:
-        word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
         lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
-    if DOC_MASK:
-        doc = gl.load(DOC + b * T + st, mask=s_ok, other=0)
-    else:
-        doc = st
     lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
     u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
     dq = gl.zeros([BM, D], gl.float32, o_l)
