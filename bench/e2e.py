@@ -7,7 +7,8 @@ A thin wrapper over the sweep of bench/compile_sweep.py (`benchmarking.sweep`): 
 also sets model.max_seq_len = T and training.micro_batch_size = --tokens-per-micro-batch / T, so every cell does the
 same work per step in tokens and only attention's cost changes with T. Data is `synthetic`
 (`benchmarking.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
-otherwise (throughput does not depend on the text). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio
+otherwise (throughput does not depend on the text); the window is FlexAttention's unless --set
+model.nsa.window_backend=... says otherwise (it runs every T: the recipes' fused_with_selected stops at 4096). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio
 of the first flavor to the second per T, on top of the sweep's own table and files.
 
 Each optimizer step ends in a device sync (the trainer's finiteness check), so with one micro-batch per step
@@ -62,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="micro_batch_size x seq_len of every cell (the recipes' 16 x 2048)")
     add_sweep_arguments(parser)
     args = parser.parse_args(argv)
-    args.set = [*SYNTHETIC_DATA, *args.set]  # later --set wins
+    # The FlexAttention window unless --set says otherwise: it runs every T (the recipes' fused_with_selected stops
+    # at 4096 tokens), and the tables in docs/PERFORMANCE.md name the window backend of each row.
+    args.set = [*SYNTHETIC_DATA, "model.nsa.window_backend=flex", *args.set]  # later --set wins
     try:
         axes = [[{"model.flavor": f} for f in args.flavors], seq_len_axis(args.seq_lens, args.tokens_per_micro_batch)]
         rows = sweep_from_args(args, args.recipe, axes)

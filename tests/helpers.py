@@ -172,18 +172,19 @@ def assert_valid_selection(idx: Tensor, scores: Tensor, n: int, tol: float) -> N
 
 # --- one model block -------------------------------------------------------------------------------------------
 
-def one_block_run(flavor: str, tokens: Tensor, **nsa) -> tuple[Tensor, dict[str, Tensor]]:
-    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in bf16, the
+def one_block_run(flavor: str, tokens: Tensor, dtype: torch.dtype = torch.bfloat16,
+                  **nsa) -> tuple[Tensor, dict[str, Tensor]]:
+    """Logits and parameter gradients of one block of `flavor` (random init, seed 0) on `tokens`, in `dtype`, the
     triton backend with the `nsa` keys given (checked as a run's start checks them)."""
     args = dataclasses.replace(get_flavor(flavor), n_layers=1, vocab_size=512, max_seq_len=tokens.shape[1])
     args.nsa = dataclasses.replace(args.nsa, backend="triton", **nsa)
-    check_backend(args.nsa, tokens.device, torch.bfloat16)
+    check_backend(args.nsa, tokens.device, dtype)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=tokens.device)
     model.init_weights()
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     logits = model(tokens)
     F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
     return logits.detach(), {name: p.grad for name, p in model.named_parameters()}

@@ -14,6 +14,7 @@ within 1e-2 relative error.
 
 import pytest
 import torch
+from torch import Tensor
 
 from bench.attention import random_block_indices
 from nsa_models.nsa import gluon_selected_window
@@ -153,12 +154,18 @@ def _recorded_launches(monkeypatch) -> list[str]:
     return calls
 
 
-def _assert_close(got: tuple, want: tuple) -> None:
-    (got_logits, got_grads), (want_logits, want_grads) = got, want
-    errors = {"logits": rel_err(got_logits, want_logits)}
-    errors |= {name: rel_err(got_grads[name], grad) for name, grad in want_grads.items() if grad is not None}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= 1e-2, f"{worst}: relative error {errors[worst]:.2e}"
+def _assert_close(got: tuple, want: tuple, oracle: tuple) -> None:
+    """got (bf16) no further from the fp32 oracle than want (the bf16 path it replaces), beyond bf16's noise: a
+    gradient summed over every position (the compression's position embedding) differs between two correct bf16
+    paths by more than 1e-2 at 8k, so a fixed bound on got against want fails without a wrong kernel."""
+    def tensors(run: tuple) -> dict[str, Tensor]:
+        logits, grads = run
+        return {"logits": logits} | {name: g for name, g in grads.items() if g is not None}
+
+    got, want, oracle = tensors(got), tensors(want), tensors(oracle)
+    for name, exact in oracle.items():
+        err, base = rel_err(got[name], exact), rel_err(want[name], exact)
+        assert err <= max(1e-2, 1.5 * base), f"{name}: relative error {err:.2e} against fp32 (replaced path {base:.2e})"
 
 
 @pytest.mark.parametrize("flavor", ["nsa-125m", "nsa-1b"])
@@ -166,11 +173,13 @@ def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, mo
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     fused = dict(window_backend="fused_with_selected", separate_kv=False)
+    oracle = one_block_run(flavor, tokens, torch.float32, selected_kernels="triton", **fused)
     want = one_block_run(flavor, tokens, selected_kernels="triton", **fused)
     assert calls == []
     got = one_block_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
-    assert calls == ["gluon_bwd_dkdv"]  # the forward and dQ stay Triton's (measured faster)
-    _assert_close(got, want)
+    # the forward stays Triton's, and the dQ at head dim 64 (measured faster)
+    assert calls == (["gluon_bwd_dq", "gluon_bwd_dkdv"] if flavor == "nsa-1b" else ["gluon_bwd_dkdv"])
+    _assert_close(got, want, oracle)
 
 
 @pytest.mark.parametrize("flavor, T", [("nsa-125m", 8192), ("nsa-1b", 2048)])
@@ -178,8 +187,9 @@ def test_model_block_with_the_gluon_window_matches_flex(flavor: str, T: int, mon
     """window_backend = "gluon_hopper" against FlexAttention's window, at 8k (nsa-125m) and 2k (nsa-1b)."""
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (1, T), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    oracle = one_block_run(flavor, tokens, torch.float32, window_backend="flex")
     want = one_block_run(flavor, tokens, window_backend="flex")
     assert calls == []
     got = one_block_run(flavor, tokens, window_backend="gluon_hopper")
     assert calls == ["gluon_fwd", "gluon_bwd_dq", "gluon_bwd_dkdv"]
-    _assert_close(got, want)
+    _assert_close(got, want, oracle)

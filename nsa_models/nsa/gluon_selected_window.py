@@ -1,26 +1,26 @@
 """The fused selected + window kernels (`triton_selected_window`: forward, dQ, dK/dV) in Gluon for Hopper (sm_90):
-the same inputs, outputs and arithmetic, written the way FlashAttention-3 overlaps a tile's work.
+the same inputs, outputs and arithmetic.
 
 Forward and dQ: a query tile (QT queries x their G heads, 64 rows) walks its causal prefix 64 keys a step, as the
-Triton kernels do. What they state instead of leaving to Triton's compiler:
-- key and value steps arrive by TMA into a ring of shared-memory stages, a step's load issued as soon as every warp
-  is past the step that last used its stage, and signalled on an mbarrier (no address arithmetic, no registers);
-- the tile's query (and dO) rows stay in NVMMA-swizzled shared memory for the whole program; every product runs on
-  wgmma with fp32 accumulators;
-- the tensor cores and the CUDA cores overlap: step j + 1's S (and dP) products are issued before step j's P V
-  (dQ += dS k), and step j + 1's softmax (dS) runs while those run;
-- P and dS reach their products through shared memory: fed from registers, their bf16 pairs were packed inside the
-  pipeline stage of the S product already issued, and ptxas serialized every wgmma (its warning C7513).
+Triton kernels do, on one warpgroup. What they state instead of leaving to Triton's compiler:
+- key and value steps arrive by TMA into a ring of shared-memory stages, signalled on mbarriers (no address
+  arithmetic, no registers); the tile's query (and dO) rows stay in NVMMA-swizzled shared memory;
+- every product runs on wgmma with fp32 accumulators. A step waits for its S (and dP) products together with the
+  previous step's P V (dQ += dS k), runs the softmax (dS), and issues its own P V (dS k) from registers, left
+  running into the next step's S: the accumulators cross steps as wgmma tokens. One barrier a step, after which
+  the stage the previous step used takes a new step's keys.
+  An earlier version issued step j + 1's S before step j's P V and passed P through shared memory (FlashAttention-3's
+  order on one warpgroup): the round trip and its fence and barrier a step made it 1.05-1.7x slower than this.
 The steps before the tile's window feed the selected branch alone; the window's steps feed both, from one S.
 
 dK/dV: one program per 64 keys walks the query tiles that see them (q and dO rows gathered by cp.async three tiles
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
 split the columns.
 
-Routed: the dK/dV kernel under `window_backend = "fused_with_selected"` with `selected_kernels = "gluon_hopper"`
-(H200, 1.27x Triton's at nsa-125m's 16 x 2k), and all three without the selected branch as `window_backend =
-"gluon_hopper"`. The fused forward and dQ measured 0.75-0.78x Triton's (docs/KERNELS.md): `bench/gluon_selected.py
-fused` times them against Triton's; they are routed once they win.
+Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
+"gluon_hopper"`, the dK/dV kernel, and the dQ kernel at head dim 128 (`DQ_HEAD_DIMS`; at 64 Triton's is faster);
+the forward stays Triton's. All three without the selected branch as `window_backend = "gluon_hopper"`.
+`bench/gluon_selected.py fused` times them against Triton's.
 
 With packed documents a tile walks from its first query's document start, and a dK/dV program stops at the end of
 its keys' documents (`document_query_ends`): the selection chooses blocks inside the query's document.
@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -54,6 +55,7 @@ _BN = 64  # keys a step: one selection block
 _STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
 _HEAD_DIMS = (64, 128)
 _DKDV_WARPS = 8  # the dK/dV kernel's: two warpgroups splitting the columns
+DQ_HEAD_DIMS = (128,)  # where the fused sweep's dQ is Gluon's (H200: 1.22-1.28x Triton's; 0.91x at 64)
 
 
 @gluon.constexpr_function
@@ -202,116 +204,6 @@ def _tile_rows(first, b, h, T, H: gl.constexpr, G: gl.constexpr, QT: gl.constexp
     return t, (r < QT * G) & (t < T), (b * T + t) * (H * G) + h * G + r % G
 
 
-@gluon.jit(do_not_specialize=["T", "W"])
-def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: gl.constexpr,
-                G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Grid: query tiles x batch * KV heads. Row r of a tile is head r % G of query tile * QT + r // G; BM rows,
-    BN keys a step (one selection block). Without SELECTED the window alone (O_WIN, LSE_WIN): the tile walks only
-    the steps of its rows' windows, and BITS and the selected outputs are not touched."""
-    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
-    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
-    s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
-    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
-
-    bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars = _tile(
-        k_desc, v_desc, DOC, T, W, H, D, QT, BN, DOC_MASK, SELECTED, STAGES)
-    # The tile's query rows into shared memory, once (every warp's stores visible to the async proxy's reads).
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
-    t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
-    q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
-                                               srow_l)
-    u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-
-    m_s = gl.full([BM], float("-inf"), gl.float32, srow_l)
-    l_s = gl.zeros([BM], gl.float32, srow_l)
-    m_w, l_w = m_s, l_s
-    alpha_s = gl.full([BM], 1.0, gl.float32, srow_l)
-    alpha_w = alpha_s
-    acc_s = gl.zeros([BM, D], gl.float32, o_l)
-    acc_w = gl.zeros([BM, D], gl.float32, o_l)
-    # Each branch's P of the step in flight, in shared memory: the products read it from there, so nothing defines
-    # their register inputs while the step's S product runs (ptxas would serialize the products: P in registers,
-    # packed at the product, did).
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BN], p_sl)
-    p_slc, p_win = p_smem.index(0), p_smem.index(1)
-
-    # The first step's softmax, before the loops: each iteration j then issues step j + 1's S, issues step j's P V,
-    # and runs step j + 1's softmax while the P V products run.
-    s = _issue_scores(q_smem, k_smem, bars, start, start, STAGES, s_l, BM, BN)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, )) * qk_scale
-    pos = start * BN + u
-    if SELECTED:
-        p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, start, pos, st))
-        p_slc.store(p)
-    if win_step == start:
-        p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
-        p_win.store(p)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    if SELECTED:  # Steps before the window: one product a step; step j + 1 may be the window's first.
-        for j in range(start, win_step):
-            s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
-            acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, )) * qk_scale
-            pos = (j + 1) * BN + u
-            p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
-            acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, ))
-            p_slc.store(p)
-            if j + 1 == win_step:  # the window's first step: its state starts here, with nothing to rescale
-                p, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
-                p_win.store(p)
-            fence_async_shared()
-            gl.thread_barrier()
-            # every warp is past step j's products: its stage takes step j + STAGES's keys and values
-            _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
-            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
-
-    # The window's steps: two products a step from one S (one without SELECTED). The last iteration's "next" S
-    # recomputes the last step (no load past it) and its softmax sees no key (positions past every query): a no-op
-    # on the states.
-    for j in range(win_step, n_steps):
-        s = _issue_scores(q_smem, k_smem, bars, gl.minimum(j + 1, n_steps - 1), start, STAGES, s_l, BM, BN)
-        if SELECTED:
-            acc_s = warpgroup_mma(p_slc, v_smem.index(j % STAGES), acc_s, is_async=True)
-        acc_w = warpgroup_mma(p_win, v_smem.index(j % STAGES), acc_w, is_async=True)
-        if SELECTED:
-            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
-        else:
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        s = s * qk_scale
-        pos = (j + 1) * BN + u
-        if SELECTED:
-            p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j + 1, pos, st))
-        p_w, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
-        if SELECTED:
-            acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_w))
-            p_slc.store(p)
-        else:
-            acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, ))
-        p_win.store(p_w)
-        fence_async_shared()
-        gl.thread_barrier()
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
-        if SELECTED:
-            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
-        acc_w = acc_w * gl.convert_layout(alpha_w, orow_l)[:, None]
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    if SELECTED:
-        _write_rows(O_SLC, LSE_SLC, acc_s, m_s, l_s, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
-    _write_rows(O_WIN, LSE_WIN, acc_w, m_w, l_w, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
-
-
 @gluon.jit
 def _issue_dp(do_smem, v_smem, step, STAGES: gl.constexpr, s_l: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr):
@@ -333,6 +225,89 @@ def _ds_term(s, dp, lse, delta, visible):
     return gl.where(visible, gl.exp2(s - lse[:, None]), 0.0) * (dp - delta[:, None])
 
 
+@gluon.jit
+def _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES: gl.constexpr,
+            BN: gl.constexpr):
+    """At step j, after the wait that ended step j - 1's products: once every warp is there, step j - 1's stage
+    takes step j - 1 + STAGES (the ring's first STAGES loads were issued before the walk)."""
+    gl.thread_barrier()
+    if j > start:
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j - 1 + STAGES, n_steps, row0, col, STAGES, BN)
+
+
+@gluon.jit(do_not_specialize=["T", "W"])
+def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_scale, H: gl.constexpr,
+                G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Grid: query tiles x batch * KV heads. Row r of a tile is head r % G of query tile * QT + r // G; BM rows,
+    BN keys a step (one selection block). Step j waits for its S together with step j - 1's P V, then runs the
+    softmax and issues its P V from registers (P in wgmma's operand layout). Without SELECTED the window alone
+    (O_WIN, LSE_WIN): the tile walks only the steps of its rows' windows, and BITS and the selected outputs are not
+    touched."""
+    rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
+    row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
+    s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+
+    bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars = _tile(
+        k_desc, v_desc, DOC, T, W, H, D, QT, BN, DOC_MASK, SELECTED, STAGES)
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+    t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
+    q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
+                                               srow_l)
+    u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    m_s = gl.full([BM], float("-inf"), gl.float32, srow_l)
+    l_s = gl.zeros([BM], gl.float32, srow_l)
+    m_w, l_w = m_s, l_s
+    # the P V products' accumulators, carried between steps as wgmma tokens (waited at the next step's S)
+    acc_s = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_l))
+    acc_w = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_l))
+
+    if SELECTED:  # steps before the window: the selected branch alone
+        for j in range(start, win_step):
+            s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
+            s, acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_s))
+            _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
+            p, m_s, l_s, alpha_s = _softmax_step(s * qk_scale, m_s, l_s,
+                                                 _selected_visible(word, j, j * BN + u, st))
+            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+            acc_s = warpgroup_mma(gl.convert_layout(p, p_l), v_smem.index(j % STAGES), acc_s, is_async=True)
+
+    for j in range(win_step, n_steps):  # the window's steps: two products from one S
+        s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
+        if SELECTED:
+            s, acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_s, acc_w))
+        else:
+            s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_w))
+        _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
+        s = s * qk_scale
+        pos = j * BN + u
+        if SELECTED:
+            p, m_s, l_s, alpha_s = _softmax_step(s, m_s, l_s, _selected_visible(word, j, pos, st))
+            acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
+            acc_s = warpgroup_mma(gl.convert_layout(p, p_l), v_smem.index(j % STAGES), acc_s, is_async=True)
+        p_w, m_w, l_w, alpha_w = _softmax_step(s, m_w, l_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        acc_w = acc_w * gl.convert_layout(alpha_w, orow_l)[:, None]
+        acc_w = warpgroup_mma(gl.convert_layout(p_w, p_l), v_smem.index(j % STAGES), acc_w, is_async=True)
+
+    if SELECTED:
+        acc_s, acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_w))
+    else:
+        acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    if SELECTED:
+        _write_rows(O_SLC, LSE_SLC, acc_s, m_s, l_s, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
+    _write_rows(O_WIN, LSE_WIN, acc_w, m_w, l_w, rows, ok, s_rows, s_ok, d, D, o_l, rows_l)
+
+
 @gluon.jit(do_not_specialize=["T", "W"])
 def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W,
                    qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
@@ -340,13 +315,14 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """As `triton_selected_window._bwd_dq_kernel` (grid: query tiles x batch * KV heads): dQ of a tile's rows over
     its causal prefix, both branches' P recomputed from their lse (without SELECTED the window's alone, over the
-    window's steps). Each step j + 1's S and dP products are issued before step j's dQ += dS k, and step j + 1's dS
-    is computed while that product runs; dS reaches the product through shared memory, as the forward's P."""
+    window's steps). As `_fwd_kernel`: step j waits for its S and dP products together with step j - 1's dQ += dS
+    k, computes dS, and issues its own dS k from registers."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     o_l: gl.constexpr = _mma_layout(D, NUM_WARPS)
+    ds_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
 
     bh, b, h, first, n_steps, win_step, start, row0, col, k_smem, v_smem, bars = _tile(
         k_desc, v_desc, DOC, T, W, H, D, QT, BN, DOC_MASK, SELECTED, STAGES)
@@ -357,8 +333,6 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     if SELECTED:
         dos_smem = _rows_to_shared(DO_SLC, rows, ok, d, D, BM)
     dow_smem = _rows_to_shared(DO_WIN, rows, ok, d, D, BM)
-    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
-                                                                                                    gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -370,69 +344,37 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
         lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
     lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
     u = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    dq = gl.zeros([BM, D], gl.float32, o_l)
+    dq = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_l))  # a wgmma token between steps
 
-    # The first step's dS, before the loops.
-    s = _issue_scores(q_smem, k_smem, bars, start, start, STAGES, s_l, BM, BN)
-    dp_w = _issue_dp(dow_smem, v_smem, start, STAGES, s_l, BM, BN)
-    pos = start * BN + u
-    if SELECTED:
-        dp = _issue_dp(dos_smem, v_smem, start, STAGES, s_l, BM, BN)
-        s, dp_w, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dp))
-        s = s * qk_scale
-        ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, start, pos, st))
-    else:
-        s, dp_w = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w))
-        s = s * qk_scale
-        ds = gl.zeros([BM, BN], gl.float32, s_l)
-    ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
-    ds_smem.store(ds.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-
-    if SELECTED:  # Steps before the window: the selected branch's dP alone (the window's, at its first step, after).
+    if SELECTED:  # steps before the window: the selected branch alone
         for j in range(start, win_step):
-            s = _issue_scores(q_smem, k_smem, bars, j + 1, start, STAGES, s_l, BM, BN)
-            dp = _issue_dp(dos_smem, v_smem, j + 1, STAGES, s_l, BM, BN)
-            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
-            s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
-            s = s * qk_scale
-            pos = (j + 1) * BN + u
-            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
-            if j + 1 == win_step:
-                dp_w = warpgroup_mma(dow_smem, v_smem.index((j + 1) % STAGES).permute((1, 0)),
-                                     gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
-                ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            ds_smem.store(ds.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+            s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
+            dp = _issue_dp(dos_smem, v_smem, j, STAGES, s_l, BM, BN)
+            s, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dq))
+            _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
+            ds = _ds_term(s * qk_scale, dp, lse_s, delta_s, _selected_visible(word, j, j * BN + u, st))
+            dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_l), k_smem.index(j % STAGES), dq,
+                               is_async=True)
 
-    # The window's steps; the last iteration's "next" step recomputes the last one, fully masked (dS = 0).
-    for j in range(win_step, n_steps):
-        nxt = gl.minimum(j + 1, n_steps - 1)
-        s = _issue_scores(q_smem, k_smem, bars, nxt, start, STAGES, s_l, BM, BN)
-        dp_w = _issue_dp(dow_smem, v_smem, nxt, STAGES, s_l, BM, BN)
-        pos = (j + 1) * BN + u
+    for j in range(win_step, n_steps):  # the window's steps: one dS from both branches
+        s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
+        dp_w = _issue_dp(dow_smem, v_smem, j, STAGES, s_l, BM, BN)
+        pos = j * BN + u
         if SELECTED:
-            dp = _issue_dp(dos_smem, v_smem, nxt, STAGES, s_l, BM, BN)
-            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
-            s, dp_w, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp_w, dp))
+            dp = _issue_dp(dos_smem, v_smem, j, STAGES, s_l, BM, BN)
+            s, dp_w, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dp, dq))
             s = s * qk_scale
-            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j + 1, pos, st))
+            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j, pos, st))
         else:
-            dq = warpgroup_mma(ds_smem, k_smem.index(j % STAGES), dq, is_async=True)
-            s, dp_w = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp_w))
+            s, dp_w, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dq))
             s = s * qk_scale
             ds = gl.zeros([BM, BN], gl.float32, s_l)
+        _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
         ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        ds_smem.store(ds.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        _load_step(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_steps, row0, col, STAGES, BN)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_l), k_smem.index(j % STAGES), dq,
+                           is_async=True)
 
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     gl.store(DQ + rows[:, None] * D + d[None, :], gl.convert_layout((dq * scale).to(gl.bfloat16), rows_l),
