@@ -8,8 +8,9 @@ also sets model.max_seq_len = T and training.micro_batch_size = --tokens-per-mic
 same work per step in tokens and only attention's cost changes with T. Data is `synthetic`
 (`benchmarking.sweep.SYNTHETIC_DATA`: GPT-2's vocabulary size, no tokenizer file) unless --set data.source=... says
 otherwise (throughput does not depend on the text); the window is FlexAttention's unless --set
-model.nsa.window_backend=... says otherwise (it runs every T: the recipes' fused_with_selected stops at 4096). Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio
-of the first flavor to the second per T, on top of the sweep's own table and files.
+model.nsa.window_backend=... says otherwise (it runs every T: the recipes' fused_with_selected stops at 4096).
+Prints and saves (OUT/e2e.md) tokens/s per flavor and the ratio of the first flavor to the second per T, on top of
+the sweep's own table and files.
 
 Each optimizer step ends in a device sync (the trainer's finiteness check), so with one micro-batch per step
 (`--set training.global_batch_tokens` = --tokens-per-micro-batch) the host cannot run ahead into the next step:

@@ -57,10 +57,11 @@ class NSAArgs:
     """Sliding-window implementation of the `triton` backend: FlexAttention, masked SDPA, flash-attn 2's
     window_size, FlashAttention-4 (package flash-attn-4; Hopper or newer GPUs; see docs/PERFORMANCE.md),
     `gluon_hopper` (the fused sweep's Gluon kernels without the selected branch: Hopper, bf16, head dim 64 or 128, no
-    context parallelism; nsa-125m at 8k on an H200 +1.7% tokens/s without documents, NSA / dense 0.81 against 0.82 with
-    them), or `fused_with_selected`: one sweep computes the selected and window branches together (shared K/V only, and
-    sequences of at most MAX_FUSED_BLOCKS selection blocks: its work grows as T^2; docs/KERNELS.md). Any value but
-    `flex` needs backend `triton` (the reference computes the window itself)."""
+    context parallelism; nsa-125m at 8k on an H200: NSA / dense 0.89 against flex's 0.86 without documents, 0.83
+    against 0.82 with them), or `fused_with_selected`: one sweep computes the selected and window branches together
+    (shared K/V only, and sequences of at most MAX_FUSED_BLOCKS selection blocks: its work grows as T^2;
+    docs/KERNELS.md; the nsa_125m recipes' choice: NSA / dense 0.84 against flex's 0.78-0.80 at 2k on documents).
+    Any value but `flex` needs backend `triton` (the reference computes the window itself)."""
     cmp_backend: Annotated[Literal["triton", "flash_attn_4"], RESUMABLE] = "triton"
     """Compressed-attention kernels of the `triton` backend: our Triton kernels, or FlashAttention-4's causal
     kernel (package flash-attn-4; Hopper or newer, bf16), which serves the compressed branch once each run of d
@@ -83,8 +84,8 @@ class NSAArgs:
     """Key-block-major kernels of the `triton` backend's selected branch: the forward's item kernel and the
     backward's dK/dV kernel (`triton_selected`), or their Gluon versions written for Hopper (`gluon_selected`:
     cp.async gathers double-buffered, wgmma products); with window_backend = "fused_with_selected", that sweep's
-    dK/dV kernel too (`gluon_selected_window`; with it, nsa-125m at 2k runs at NSA / dense 0.72 against the flex
-    window's 0.69, 0.84 against 0.80 on documents). The query-tile kernels and the rest stay Triton's. Gluon runs
+    dK/dV kernel too, and its dQ kernel at head dim 128 (`gluon_selected_window`: 1.27x and 1.22-1.28x Triton's
+    kernels on an H200). The query-tile kernels and the rest stay Triton's. Gluon runs
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable path.
     Measured effect (docs/PERFORMANCE.md, one H200 each): nsa-125m +1.7% tokens/s at 2k, +5.3% at 8k (NSA / dense

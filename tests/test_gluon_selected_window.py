@@ -155,9 +155,10 @@ def _recorded_launches(monkeypatch) -> list[str]:
 
 
 def _assert_close(got: tuple, want: tuple, oracle: tuple) -> None:
-    """got (bf16) no further from the fp32 oracle than want (the bf16 path it replaces), beyond bf16's noise: a
-    gradient summed over every position (the compression's position embedding) differs between two correct bf16
-    paths by more than 1e-2 at 8k, so a fixed bound on got against want fails without a wrong kernel."""
+    """got (bf16) no further from the fp32 oracle (the separate kernels with a masked-SDPA window) than want (the
+    bf16 path it replaces), beyond bf16's noise: a gradient summed over every position (the compression's position
+    embedding) differs between two correct bf16 paths by more than 1e-2 at 8k, so a fixed bound on got against want
+    fails without a wrong kernel."""
     def tensors(run: tuple) -> dict[str, Tensor]:
         logits, grads = run
         return {"logits": logits} | {name: g for name, g in grads.items() if g is not None}
@@ -173,7 +174,7 @@ def test_model_block_with_the_gluon_fused_kernels_matches_triton(flavor: str, mo
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     fused = dict(window_backend="fused_with_selected", separate_kv=False)
-    oracle = one_block_run(flavor, tokens, torch.float32, selected_kernels="triton", **fused)
+    oracle = one_block_run(flavor, tokens, torch.float32, window_backend="sdpa", separate_kv=False)
     want = one_block_run(flavor, tokens, selected_kernels="triton", **fused)
     assert calls == []
     got = one_block_run(flavor, tokens, selected_kernels="gluon_hopper", **fused)
@@ -187,7 +188,7 @@ def test_model_block_with_the_gluon_window_matches_flex(flavor: str, T: int, mon
     """window_backend = "gluon_hopper" against FlexAttention's window, at 8k (nsa-125m) and 2k (nsa-1b)."""
     calls = _recorded_launches(monkeypatch)
     tokens = torch.randint(0, 512, (1, T), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    oracle = one_block_run(flavor, tokens, torch.float32, window_backend="flex")
+    oracle = one_block_run(flavor, tokens, torch.float32, window_backend="sdpa")
     want = one_block_run(flavor, tokens, window_backend="flex")
     assert calls == []
     got = one_block_run(flavor, tokens, window_backend="gluon_hopper")
