@@ -18,7 +18,7 @@ import torch
 
 from bench.gluon_selected import dkdv_launch, item_launch
 from nsa_models.nsa import gluon_selected
-from tests.helpers import one_block_run
+from tests.helpers import one_block_run, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,11 +63,6 @@ def test_gluon_matches_triton(B: int, T: int, H: int, G: int, D: int, q_start: i
     assert lse_err <= 1e-3, f"LSE_PART max abs error {lse_err:.2e}"
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
-
-
 # Every case at the Gluon kernel's default rows per step / warps (`bwd_launch_shape`); the 8k cases also at the
 # other ones it supports (the bench times them all).
 DKDV_CASES = [(*case, None) for case in CASES] + [(*case, shape) for case in CASES[:2]
@@ -90,14 +85,14 @@ def test_gluon_dkdv_matches_triton(B: int, T: int, H: int, G: int, D: int, q_sta
         assert not want[used].isnan().any(), f"the Triton kernel left a used item of {name} unwritten"
         assert not got[used].isnan().any(), f"the Gluon kernel left a used item of {name} unwritten (or NaN)"
         assert got[~used].isnan().all(), f"the Gluon kernel wrote an unused item of {name}"
-        err = _rel_err(got[used], want[used])
+        err = rel_err(got[used], want[used])
         assert err <= 1e-2, f"{name} relative error {err:.2e}"
     if with_dq:
         filled = launch.fwd.filled()
         assert not dq_t[filled].isnan().any(), "the Triton kernel left a chosen slot of DQ_PART unwritten"
         assert not dq_g[filled].isnan().any(), "the Gluon kernel left a chosen slot of DQ_PART unwritten (or NaN)"
         assert dq_g[~filled].isnan().all(), "the Gluon kernel wrote a padding slot of DQ_PART"
-        err = _rel_err(dq_g[filled], dq_t[filled])
+        err = rel_err(dq_g[filled], dq_t[filled])
         assert err <= 1e-2, f"DQ_PART relative error {err:.2e}"
 
 
@@ -116,7 +111,7 @@ def test_model_block_with_gluon_selected_kernels_matches_triton(flavor: str, mon
     assert calls == []
     got_logits, got_grads = one_block_run(flavor, tokens, selected_kernels="gluon_hopper")
     assert calls == ["gluon_fwd_items", "gluon_bwd_dkdv_items"]
-    errors = {"logits": _rel_err(got_logits, want_logits)}
-    errors |= {name: _rel_err(got_grads[name], grad) for name, grad in want_grads.items()}
+    errors = {"logits": rel_err(got_logits, want_logits)}
+    errors |= {name: rel_err(got_grads[name], grad) for name, grad in want_grads.items()}
     assert not any(x.isnan().any() for x in [got_logits, *got_grads.values()])
     assert all(err <= 1e-2 for err in errors.values()), {name: err for name, err in errors.items() if err > 1e-2}

@@ -13,15 +13,12 @@ from nsa_models.nsa import triton_selected_window as sw
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_selected_window import chosen_bits, selected_window_attention
+from tests.helpers import rel_err
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
 
 BS = 16  # l'
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def document_starts(B: int, T: int, gen: torch.Generator) -> torch.Tensor:

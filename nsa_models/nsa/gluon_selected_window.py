@@ -398,6 +398,20 @@ def _gather_tile(Q, DO_SLC, DO_WIN, q_buf, dos_buf, dow_buf, tile, b, h, T, d, H
 
 
 @gluon.jit
+def _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H: gl.constexpr,
+                  G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr,
+                  SELECTED: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr):
+    """Iteration i of the dK/dV walk (at query tile `tile`): gather tile + STAGES - 1 into the stage iteration
+    i - 1 freed, then wait until tile + 1's rows have landed, visible to every warp's products."""
+    nxt = (i + STAGES - 1) % STAGES
+    _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt), tile + STAGES - 1,
+                 b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, WINDOW)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _issue_tile_products(q_smem, dos_smem, dow_smem, k_smem, v_smem, s_l: gl.constexpr, BM: gl.constexpr,
                          BN: gl.constexpr, SELECTED: gl.constexpr, WINDOW: gl.constexpr):
     """A query tile against the key step: S = q k^T and each wanted branch's dP = dO v^T on wgmma, asynchronous
@@ -521,14 +535,11 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC
     dv = gl.zeros([BN, D], gl.float32, o_l)
     # The window's tiles. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then tile i's
     # products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
+    LATER: gl.constexpr = 3 if SELECTED else 2  # products issued after a window tile's S and dP: dV (1-2), dK
     for tile in range(first, win_last + 1):
         i = tile - first
-        nxt = (i + STAGES - 1) % STAGES
-        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
-                     tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, True)
-        async_copy.wait_group(STAGES - 2)
-        fence_async_shared()
-        gl.thread_barrier()
+        _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l,
+                      SELECTED, True, STAGES)
         cur, nx = i % STAGES, (i + 1) % STAGES
         s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
                                            s_l, BM, BN, SELECTED, True)
@@ -536,12 +547,8 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC
             dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
         dv = warpgroup_mma(p_smem.index(1).permute((1, 0)), dow_bufs.index(cur), dv, is_async=True)
         dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-        if SELECTED:
-            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 3, True, True)
-        else:
-            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, False, True)
+        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
+                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, LATER, SELECTED, True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         if SELECTED:
             p_smem.index(0).store(p)
@@ -552,12 +559,8 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC
     if SELECTED:  # The later tiles: the selected branch alone.
         for tile in range(win_last + 1, n_tiles):
             i = tile - first
-            nxt = (i + STAGES - 1) % STAGES
-            _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt),
-                         tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l, True, False)
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            gl.thread_barrier()
+            _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l,
+                          True, False, STAGES)
             cur, nx = i % STAGES, (i + 1) % STAGES
             s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem,
                                                v_smem, s_l, BM, BN, True, False)
