@@ -177,15 +177,13 @@ def test_refusals():
               max_seq_len=64 * MAX_FUSED_BLOCKS).validate()
 
 
-@pytest.mark.parametrize("gluon_dq", [False, True])
 @pytest.mark.parametrize("documents", [False, True])
-def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents: bool, gluon_dq: bool, monkeypatch):
-    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused dK/dV is `gluon_selected_window.
-    gluon_bwd_dkdv`'s, and the dQ `gluon_bwd_dq`'s where the head dim is in `DQ_HEAD_DIMS` (here made to hold this
-    test's, or not), each given what the Triton launch gets but the block size (the Gluon kernels' is 64) and
-    writing the same outputs; the forward stays Triton's (the Gluon one measured slower, docs/KERNELS.md). Here
-    (CPU) a Gluon launch is a recording stand-in that runs the Triton one on those arguments, so the outputs and
-    gradients are the default path's, bit for bit; the Gluon kernels themselves run in
+def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused dQ and dK/dV are `gluon_selected_window.
+    gluon_bwd_dq`'s and `gluon_bwd_dkdv`'s, each given what the Triton launch gets but the block size (the Gluon
+    kernels' is 64) and writing the same outputs; the forward stays Triton's (the Gluon one measured slower,
+    docs/KERNELS.md). Here (CPU) a Gluon launch is a recording stand-in that runs the Triton one on those arguments,
+    so the outputs and gradients are the default path's, bit for bit; the Gluon kernels themselves run in
     tests/test_gluon_selected_window.py (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
 
@@ -201,7 +199,6 @@ def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents
         monkeypatch.setattr(gluon_selected_window, f"gluon_{'bwd_' if name != 'fwd' else ''}{name}",
                             stand_in(name, triton_launch))
     B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
-    monkeypatch.setattr(gluon_selected_window, "DQ_HEAD_DIMS", (D,) if gluon_dq else ())
     gen = torch.Generator().manual_seed(3)
     doc = document_starts(B, T, gen) if documents else None
     q = torch.randn(B, T, H * G, D, generator=gen)
@@ -215,8 +212,7 @@ def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents
         results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
     shapes = (q.shape, (B, H, T), documents, window, D ** -0.5)
     stats = ["delta_slc", "delta_win", "do_slc", "do_win", "lse_slc", "lse_win"]
-    dq_call = [("dq", *shapes, sorted(stats + ["dq"]))] if gluon_dq else []
-    assert calls == [*dq_call, ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
+    assert calls == [("dq", *shapes, sorted(stats + ["dq"])), ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
     for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
 

@@ -11,16 +11,17 @@ Triton kernels do, on one warpgroup. What they state instead of leaving to Trito
   the stage the previous step used takes a new step's keys.
   An earlier version issued step j + 1's S before step j's P V and passed P through shared memory (FlashAttention-3's
   order on one warpgroup): the round trip and its fence and barrier a step made it 1.05-1.7x slower than this.
-The steps before the tile's window feed the selected branch alone; the window's steps feed both, from one S.
+The steps before the tile's window feed the selected branch alone, masked by a bit a row (every key precedes every
+query there: no causal compare a key); the window's steps feed both, from one S.
 
 dK/dV: one program per 64 keys walks the query tiles that see them (q and dO rows gathered by cp.async three tiles
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
 split the columns.
 
 Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
-"gluon_hopper"`, the dK/dV kernel, and the dQ kernel at head dim 128 (`DQ_HEAD_DIMS`; at 64 Triton's is faster);
-the forward stays Triton's. All three without the selected branch as `window_backend = "gluon_hopper"`.
-`bench/gluon_selected.py fused` times them against Triton's.
+"gluon_hopper"`, the dQ and dK/dV kernels; the forward stays Triton's (this one is 0.89-0.90x as fast). All three
+without the selected branch as `window_backend = "gluon_hopper"`. `bench/gluon_selected.py fused` times them against
+Triton's.
 
 With packed documents a tile walks from its first query's document start, and a dK/dV program stops at the end of
 its keys' documents (`document_query_ends`): the selection chooses blocks inside the query's document.
@@ -55,7 +56,6 @@ _BN = 64  # keys a step: one selection block
 _STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
 _HEAD_DIMS = (64, 128)
 _DKDV_WARPS = 8  # the dK/dV kernel's: two warpgroups splitting the columns
-DQ_HEAD_DIMS = (128,)  # where the fused sweep's dQ is Gluon's (H200: 1.22-1.28x Triton's; 0.91x at 64)
 
 
 @gluon.constexpr_function
@@ -104,9 +104,17 @@ def _softmax_step(s, m, l, visible):
 
 
 @gluon.jit
+def _chosen(word, step):
+    """[rows, 1]: the row's query chose key step `step`'s block. Alone it is the selected branch's whole mask where
+    every key of the step precedes every row's query (the steps before a tile's window, a dK/dV program's tiles
+    after its keys' window): a bit a row, broadcast, instead of a compare a (row, key)."""
+    return (((word >> step) & 1) != 0)[:, None]
+
+
+@gluon.jit
 def _selected_visible(word, step, pos, t):
     """[rows, keys]: the row's query chose key step `step`'s block, and the key does not follow the query."""
-    return (((word >> step) & 1) != 0)[:, None] & (pos[None, :] <= t[:, None])
+    return _chosen(word, step) & (pos[None, :] <= t[:, None])
 
 
 @gluon.jit
@@ -275,8 +283,7 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
             s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
             s, acc_s = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_s))
             _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
-            p, m_s, l_s, alpha_s = _softmax_step(s * qk_scale, m_s, l_s,
-                                                 _selected_visible(word, j, j * BN + u, st))
+            p, m_s, l_s, alpha_s = _softmax_step(s * qk_scale, m_s, l_s, _chosen(word, j))
             acc_s = acc_s * gl.convert_layout(alpha_s, orow_l)[:, None]
             acc_s = warpgroup_mma(gl.convert_layout(p, p_l), v_smem.index(j % STAGES), acc_s, is_async=True)
 
@@ -352,7 +359,7 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
             dp = _issue_dp(dos_smem, v_smem, j, STAGES, s_l, BM, BN)
             s, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dq))
             _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
-            ds = _ds_term(s * qk_scale, dp, lse_s, delta_s, _selected_visible(word, j, j * BN + u, st))
+            ds = _ds_term(s * qk_scale, dp, lse_s, delta_s, _chosen(word, j))
             dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_l), k_smem.index(j % STAGES), dq,
                                is_async=True)
 
@@ -459,7 +466,11 @@ def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC
         s, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp_w))
     s = s * qk_scale
     if SELECTED:
-        p = gl.where(_selected_visible(word, kb, pos, st), gl.exp2(s - lse_s[:, None]), 0.0)
+        if WINDOW:
+            visible = _selected_visible(word, kb, pos, st)
+        else:  # the tiles after the keys' window: every query follows every key
+            visible = _chosen(word, kb)
+        p = gl.where(visible, gl.exp2(s - lse_s[:, None]), 0.0)
         ds = p * (dp - delta_s[:, None])
     if WINDOW:
         p_w = gl.where(_window_visible(pos, st, doc, W, DOC_MASK) & s_ok[:, None], gl.exp2(s - lse_w[:, None]), 0.0)

@@ -331,24 +331,20 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
                         doc_start: Tensor | None, block_size: int, window: int, scale: float,
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
-    kernels: "gluon_hopper" runs `gluon_selected_window`'s dK/dV kernel, and its dQ kernel at the head dims where it
-    is faster (`DQ_HEAD_DIMS`; Hopper, bf16, head dim 64 or 128, blocks of 64 keys: it raises outside them);
-    "triton" this module's."""
+    kernels: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels (Hopper, bf16, head dim 64 or 128,
+    blocks of 64 keys: they raise outside them); "triton" this module's."""
     q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
     bits = bits.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
                  delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
-    gluon = None
     if kernels == "gluon_hopper":
         from nsa_models.nsa import gluon_selected_window as gluon  # only then: CPU runs never load Gluon
-    if gluon is not None and q.shape[-1] in gluon.DQ_HEAD_DIMS:
+
         gluon.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
-    else:
-        triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
-    if gluon is not None:
         gluon.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
     else:
+        triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
         triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv)
     return dq, dk, dv
 
@@ -420,8 +416,8 @@ def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Te
                               kernels: str = "triton") -> tuple[Tensor, Tensor]:
     """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
     [B, H, T, n] int64 (-1: none), inside each query's document; doc_start [B, T] int32 (multiples of block_size)
-    or None; kernels: the backward's (`selected_window_bwd`: "gluon_hopper" runs Gluon's dK/dV, and dQ at head dim
-    128, on Hopper)."""
+    or None; kernels: the backward's (`selected_window_bwd`: "gluon_hopper" runs Gluon's dQ and dK/dV, on
+    Hopper)."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
