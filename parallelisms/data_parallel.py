@@ -21,7 +21,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     Apply it to the meta-device model: `Transformer.init_weights()` then fills each rank's shards with its part of
     the weights one process would draw, whatever the mesh.
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs off: by default every FSDP module casts its floating inputs to param_dtype, which would
+    # round the fp32 rope table each block takes to bf16; the activations are already param_dtype (the embedding's
+    # output), the token ids are integers.
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root (embeddings, final norm, output head) is used last in forward and first in backward: keeping it

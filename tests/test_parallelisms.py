@@ -65,6 +65,31 @@ def test_data_parallel_matches_single_process(plan, dp_histories, single_process
     assert_histories_close(dp_histories[plan], single_process_history, rtol=1e-5)
 
 
+def test_fsdp_mixed_precision_leaves_the_rope_table_fp32(tmp_path):
+    """FSDP2's bf16 parameters (`apply_fsdp`) must not reach the blocks' other inputs: the fp32 cos / sin table
+    every block takes would otherwise arrive rounded to bf16 (FSDP2 casts floating forward inputs by default), a
+    rotation that DDP and one process do not round."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.data_parallel import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = Transformer(get_flavor("debug"))
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                   reshard_after_forward=False)
+        seen = []
+        for block in model.layers.values():
+            block.attention.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+        model(torch.randint(0, model.args.vocab_size, (1, 64)))
+    finally:
+        dist.destroy_process_group()
+    assert len(seen) == len(model.layers)
+    for rope in seen:
+        assert rope.dtype == torch.float32 and torch.equal(rope, model.rope)
+
+
 COMPILED_DDP_PLANS = ["ddp_full_ac_compile", "ddp_compile_model"]
 
 
