@@ -185,7 +185,9 @@ def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], arg
 
 def ptxas_report(ptx: str) -> str:
     """Registers and spill bytes ptxas reports for the PTX (sm_90a), from Triton's bundled ptxas, and whether it
-    serialized the wgmma instructions (its warning C7513: a register operand defined while a product runs)."""
+    serialized the wgmma instructions, and why (its "Potential Performance Loss" warnings: C7513, a register operand
+    defined while a product runs; C7515, a non-wgmma instruction writing a product's accumulator registers while
+    another product runs)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         return f"no ptxas at {ptxas}"
@@ -197,7 +199,8 @@ def ptxas_report(ptx: str) -> str:
     text = result.stdout + result.stderr
     found = [re.search(pattern, text) for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores")]
     regs, spills = (m.group(1) if m else "?" for m in found)
-    serialized = "; WGMMA SERIALIZED (C7513)" if "C7513" in text else ""
+    reasons = re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", text)
+    serialized = f"; WGMMA SERIALIZED ({', '.join(sorted(set(reasons)))})" if reasons else ""
     return f"registers {regs}, spill stores {spills} B{serialized}"
 
 
