@@ -31,8 +31,12 @@ def report_error(message: str, exit_code: int) -> None:
     """
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        with open(error_file, "w") as f:
+        # Written beside it and renamed: the launcher reads the file as soon as this process ends, which another
+        # rank's failure can make happen mid-write, and torchrun fails on a file it cannot parse.
+        partial = f"{error_file}.{os.getpid()}.partial"
+        with open(partial, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time()), "exitcode": exit_code}, f)
+        os.replace(partial, error_file)
     if not (error_file and LAUNCHER_PID in os.environ):
         # One write of the whole line: ranks share a log, and print()'s separate newline lets lines run together.
         sys.stderr.write(f"error: {message}\n")

@@ -452,6 +452,29 @@ def test_only_collective_failures_and_out_of_memory_become_one_line():
             raise ValueError("a bug")
 
 
+def test_the_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun reads a rank's error file the moment the rank ends, and fails on one it cannot parse (a 2-rank run
+    exited 1 instead of 5 when rank 0 was stopped mid-write): a rank stopped while writing leaves no file."""
+    import json
+
+    from nsa_training import watchdog
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # the process ends between opening the file and writing it
+
+    monkeypatch.setattr(watchdog.json, "dump", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        watchdog.report_error("rank 0: step 3: a collective failed", 5)
+    assert not error_file.exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    watchdog.report_error("rank 0: step 3: a collective failed", 5)
+    assert json.loads(error_file.read_text())["exitcode"] == 5
+
+
 def test_flight_recorder_settings_fill_in_only_what_the_user_left_unset(tmp_path, monkeypatch):
     from nsa_training.watchdog import enable_flight_recorder
 
