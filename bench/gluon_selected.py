@@ -5,9 +5,9 @@ other rows per step / warps it supports). Prints ms per call (triton.testing.do_
 reaches on the useful work per (query row, chosen block) pair, whatever the padding of a step's rows: 4 * l' * D
 FLOPs forward (QK^T, PV), 8 * l' * D backward (QK^T, dO V^T, P^T dO, dS^T Q) and 10 * l' * D with the dQ term.
 
-`fused`: the fused selected + window forward and dQ kernels, Triton's (`triton_selected_window.triton_fwd`,
-`triton_bwd_dq`) against Gluon's (`gluon_selected_window`) at 2k-4k, on random valid choices; TFLOP/s over the
-causal prefix they walk (`time_fused`).
+`fused`: the fused selected + window forward, dQ and dK/dV kernels, Triton's (`triton_selected_window.triton_fwd`,
+`triton_bwd_dq`, `triton_bwd_dkdv`) against Gluon's (`gluon_selected_window`) at 2k-4k, on random valid choices;
+TFLOP/s over the causal prefix they walk, and how far Gluon's outputs are from Triton's (`time_fused`).
 
 Also the place the GPU test builds its launches from (`ItemLaunch`, `DkdvLaunch`), so both run the kernels exactly
 as the forward and backward ops do.
@@ -244,44 +244,62 @@ FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
 ]
 
 
-def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float]]:
-    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it) of one shape's fused forward, dQ and dK/dV
-    kernels: per (row, key) of the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, dO v^T)
-    or two (dK/dV: dO_w v^T and P_w^T dO_w)."""
+def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float, float]]:
+    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it, the largest difference of Gluon's outputs from
+    Triton's relative to their largest value) of one shape's fused forward, dQ and dK/dV kernels: per (row, key) of
+    the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, dO v^T) or two (dK/dV: dO_w v^T and
+    P_w^T dO_w)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
     do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
     bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
-    o_slc, o_win, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    lse_slc, lse_win = (q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))
-    outputs = dict(o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
-    triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)
-    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc, lse_win=lse_win,
-                 delta_slc=(o_slc.float() * do_slc.float()).sum(-1), delta_win=(o_win.float() * do_win.float()).sum(-1))
+    scale = D**-0.5
+
+    def fwd_outputs() -> dict[str, Tensor]:
+        lse_slc, lse_win = (q.new_full(q.shape[:3], float("nan"), dtype=torch.float32) for _ in range(2))
+        return dict(o_slc=torch.full_like(q, float("nan")), o_win=torch.full_like(q, float("nan")), lse_slc=lse_slc,
+                    lse_win=lse_win)
+
+    def rel(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:  # NaN where Gluon left a value unwritten
+        return max(float((got[n].float() - want[n].float()).abs().max() / want[n].float().abs().max())
+                   for n in want)
+
+    out_t, out_g = fwd_outputs(), fwd_outputs()
+    triton_fwd(q, k, v, bits, None, BS, window, scale, **out_t)
+    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=out_t["lse_slc"], lse_win=out_t["lse_win"],
+                 delta_slc=(out_t["o_slc"].float() * do_slc.float()).sum(-1),
+                 delta_win=(out_t["o_win"].float() * do_win.float()).sum(-1))
+    dq_t, dq_g = torch.empty_like(q), torch.full_like(q, float("nan"))
+    dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
+    dk_g, dv_g = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     t = torch.arange(T, dtype=torch.float64)
     pairs = B * H * G * float((t + 1).sum()), B * H * G * float(torch.clamp(t + 1, max=window).sum())
     bench = triton.testing.do_bench
-    return [("forward", bench(lambda: triton_fwd(q, k, v, bits, None, BS, window, D**-0.5, **outputs)),
-             bench(lambda: gluon_fwd(q, k, v, bits, None, window, D**-0.5, **outputs)),
-             2 * D * (2 * pairs[0] + pairs[1]) / 1e9),
-            ("dQ", bench(lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, D**-0.5, **grads, dq=dq)),
-             bench(lambda: gluon_bwd_dq(q, k, v, bits, None, window, D**-0.5, **grads, dq=dq)),
-             2 * D * (3 * pairs[0] + pairs[1]) / 1e9),
-            ("dK/dV", bench(lambda: triton_bwd_dkdv(q, k, v, bits, None, BS, window, D**-0.5, **grads, dk=dk, dv=dv)),
-             bench(lambda: gluon_bwd_dkdv(q, k, v, bits, None, window, D**-0.5, **grads, dk=dk, dv=dv)),
-             2 * D * (4 * pairs[0] + 2 * pairs[1]) / 1e9)]
+    rows = []
+    for kernel, run_triton, run_gluon, want, got, flops in [
+            ("forward", lambda: triton_fwd(q, k, v, bits, None, BS, window, scale, **out_t),
+             lambda: gluon_fwd(q, k, v, bits, None, window, scale, **out_g), out_t, out_g, 2 * pairs[0] + pairs[1]),
+            ("dQ", lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, scale, **grads, dq=dq_t),
+             lambda: gluon_bwd_dq(q, k, v, bits, None, window, scale, **grads, dq=dq_g), dict(dq=dq_t),
+             dict(dq=dq_g), 3 * pairs[0] + pairs[1]),
+            ("dK/dV", lambda: triton_bwd_dkdv(q, k, v, bits, None, BS, window, scale, **grads, dk=dk_t, dv=dv_t),
+             lambda: gluon_bwd_dkdv(q, k, v, bits, None, window, scale, **grads, dk=dk_g, dv=dv_g),
+             dict(dk=dk_t, dv=dv_t), dict(dk=dk_g, dv=dv_g), 4 * pairs[0] + 2 * pairs[1])]:
+        run_triton()
+        run_gluon()
+        rows.append((kernel, bench(run_triton), bench(run_gluon), 2 * D * flops / 1e9, rel(got, want)))
+    return rows
 
 
 def bench_fused() -> None:
-    print("fused selected + window kernels")
+    print("fused selected + window kernels (error: Gluon's outputs against Triton's, relative to the largest)")
     print(f"{'shape':<18} {'G':>2} {'D':>4} {'kernel':<8} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} "
-          f"{'triton TF/s':>12} {'gluon TF/s':>11}")
+          f"{'triton TF/s':>12} {'gluon TF/s':>11} {'error':>8}")
     for label, B, T, H, G, D, window in FUSED_SHAPES:
-        for kernel, ms_triton, ms_gluon, gflop in time_fused(B, T, H, G, D, window):
+        for kernel, ms_triton, ms_gluon, gflop, error in time_fused(B, T, H, G, D, window):
             print(f"{label:<18} {G:>2} {D:>4} {kernel:<8} {ms_triton:>10.3f} {ms_gluon:>9.3f} "
-                  f"{ms_triton / ms_gluon:>7.2f}x {gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f}")
+                  f"{ms_triton / ms_gluon:>7.2f}x {gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f} {error:>8.1e}")
         torch.cuda.empty_cache()
 
 
