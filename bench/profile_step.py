@@ -10,7 +10,8 @@ Trains the recipe for a few steps through train.py (synthetic data as bench/e2e.
   much longer than its GPU busy time is host-bound (the GPU waits for launches) or sync-bound.
 - **host enqueue**: from the step's start to the end of its last kernel launch call on the host: when it is
   close to the step time, the host cannot launch faster than the GPU runs (CUDA graphs help there).
-- per kernel family and per kernel: GPU ms per step, share of GPU busy time, launches per step and per block.
+- per kernel family and per kernel: GPU ms per step, share of GPU busy time, launches per step and per block;
+- where the GPU sat idle (the host op that launched the kernel after each gap), and the host's own time per op.
 Prints markdown and writes OUT/profile.md; the raw trace stays under OUT/run/profile (open it in Perfetto).
 """
 

@@ -1,6 +1,7 @@
 """Where a profiled step's GPU time goes, from a torch.profiler trace's events: GPU time per kernel family and per
-kernel, launches per block, host enqueue against GPU busy time, and what the host was launching when the GPU sat
-idle (bench/profile_step.py prints it for one process, bench/scaling.py for each cell's rank 0)."""
+kernel, launches per block, host enqueue against GPU busy time, what the host was launching when the GPU sat idle,
+and the host's own time per op (bench/profile_step.py prints it for one process, bench/scaling.py for each cell's
+rank 0)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,41 @@ def idle_gaps(steps: list[dict], kernels: list[dict], events: list[dict], min_us
     return lines
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def host_time(steps: list[dict], events: list[dict], top: int = 15) -> list[str]:
+    """Markdown lines: the host's time per op name within the steps, on every thread, by self time (its own time
+    less that of the ops and runtime calls nested in it), with its inclusive time and calls per step: what a
+    host-bound step (no CUDA graphs: FSDP2, `compile.mode = "default"`) spends its time on. The steps themselves
+    are not ops; a thread blocked inside an op (a synchronize, the main thread in backward) counts as that op's."""
+    spans = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
+    by_thread = defaultdict(list)
+    for e in events:
+        if (e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and not e["name"].startswith("ProfilerStep")
+                and any(lo <= e["ts"] < hi for lo, hi in spans)):
+            by_thread[e.get("tid")].append(e)
+    own, total, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    for ops in by_thread.values():
+        stack = []
+        for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]["name"]] -= e["dur"]
+            own[e["name"]] += e["dur"]
+            total[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+            stack.append(e)
+    n = len(steps)
+    lines = [f"| host op (top {top} by self time) | self ms / step | total ms / step | calls / step |",
+             "|---|---|---|---|"]
+    for name in sorted(own, key=lambda k: -own[k])[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {own[name] / n / 1e3:.2f} | {total[name] / n / 1e3:.2f} | {calls[name] / n:.0f} |")
+    return lines
+
+
 def summarize(events: list[dict], n_layers: int, top: int = 20) -> str:
     # The host's step spans only: Kineto also writes each ProfilerStep on the GPU timeline (cat
     # "gpu_user_annotation"), and counting those too halved every per-step figure.
@@ -116,5 +152,5 @@ def summarize(events: list[dict], n_layers: int, top: int = 20) -> str:
     for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         short = name if len(name) <= 70 else name[:67] + "..."
         lines.append(f"| `{short}` | {family(name)} | {ms:.3f} | {count:.0f} |")
-    lines += ["", *idle_gaps(steps, kernels, events)]
+    lines += ["", *idle_gaps(steps, kernels, events), "", *host_time(steps, events)]
     return "\n".join(lines) + "\n"

@@ -53,4 +53,24 @@ def test_idle_gaps_are_charged_to_the_host_op_that_launched_the_next_kernel():
     assert "| `aten::mul [cudaLaunchKernel]` | 3.490 | 1.0 |" in text
     assert "| `Optimizer.step > aten::sort [cudaLaunchKernel]` | 0.300 | 1.0 |" in text
     assert "| `(launch not in the trace)` | 0.050 | 1.0 |" in text
-    assert "aten::add" not in text
+    assert "aten::add" not in text.split("| host op")[0]  # its gap was under the threshold
+
+
+def test_host_time_is_split_into_each_ops_own_time():
+    def x(name, ts, dur, cat, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid}
+
+    events = []
+    for start in (0, 10_000):  # two steps: one op holding another and a launch, and an op on a second thread
+        events += [x("ProfilerStep#1", start, 10_000, "user_annotation"),
+                   x("nsa::selected_window_bwd", start + 100, 3000, "cpu_op"),
+                   x("aten::empty_like", start + 200, 500, "cpu_op"),
+                   x("cuLaunchKernelEx", start + 1000, 200, "cuda_driver"),
+                   x("aten::mm", start + 5000, 1000, "cpu_op", tid=2)]
+    events.append(x("aten::mm", 30_000, 1000, "cpu_op"))  # after the steps: not counted
+    text = kernels.summarize(events, n_layers=1)
+    assert "| `nsa::selected_window_bwd` | 2.30 | 3.00 | 1 |" in text
+    assert "| `aten::mm` | 1.00 | 1.00 | 1 |" in text
+    assert "| `aten::empty_like` | 0.50 | 0.50 | 1 |" in text
+    assert "| `cuLaunchKernelEx` | 0.20 | 0.20 | 1 |" in text
+    assert "ProfilerStep" not in text.split("| host op")[1]
