@@ -270,9 +270,13 @@ class CheckpointManager:
         bad = sorted(name for name, entry in files.items() if digests[name] != entry.get("sha256"))
         return f"{', '.join(bad[:3])} does not match its checksum" if bad else None
 
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Whether `save` writes at this step: every `checkpoint.interval` steps and at the end (`final`)."""
+        return self.cfg.enable and step != self._last_step and (final or step % self.cfg.interval == 0)
+
     def save(self, step: int, states: dict[str, Stateful], *, final: bool = False) -> None:
-        """Write `states` (and `step`) at every `checkpoint.interval` steps and at the end (`final`)."""
-        if not self.cfg.enable or step == self._last_step or not (final or step % self.cfg.interval == 0):
+        """Write `states` (and `step`) when it is `due`."""
+        if not self.due(step, final=final):
             return
         path = self.folder / f"step-{step:08d}"
         partial = path.with_name(path.name + ".partial")

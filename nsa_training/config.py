@@ -138,7 +138,7 @@ class PasskeyConfig:
 @dataclass
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
-    """Optimizer (AdamW, fused on CUDA)."""
+    """Optimizer (fused AdamW)."""
     lr: float = field(default=1e-3, metadata={"gt": 0})
     """Peak learning rate."""
     beta1: float = field(default=0.9, metadata={"ge": 0, "lt": 1})

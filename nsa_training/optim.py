@@ -10,13 +10,13 @@ from torch import nn
 from nsa_training.config import LRSchedulerConfig, OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; fused on CUDA (one kernel for all parameters)."""
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only, fused (one kernel for all parameters, on CUDA and CPU alike): the
+    trainer skips a non-finite step's update through its `found_inf`, on the device, without a host sync."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=device_type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 def lr_multiplier(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:

@@ -3,7 +3,8 @@
 `Trainer(config)` builds the run in named steps, in the order TorchTitan uses: devices and process group, data,
 model (on meta -> parallelisms -> materialise + init), optimizer, resume, run directory and metrics. Nothing in the
 run directory changes until every step that can refuse the start has passed. `train()` runs the loop:
-`train_step`, `_log_step`, `evaluate`, checkpoint, and `_finish`.
+`_gradients`, `_settle` (the previous step: `nsa_training.outcome`), `_update`, `evaluate`, checkpoint, and
+`_finish`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from nsa_training.exit_codes import DIVERGED_EXIT_CODE, OOM_EXIT_CODE
 from nsa_training.loaders import IGNORE_INDEX
 from nsa_training.metrics import MetricLogger, available_memory, estimate_memory, memory_scalars, peak_tflops
 from nsa_training.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from nsa_training.outcome import PendingOutcome, StepOutcome
 from nsa_training.passkey import (
     HEAT_MAP_TAG,
     depths,
@@ -157,7 +159,7 @@ class Trainer:
         self._resume()
         self._write_run_dir()
         self.stop = StopOnSignal()
-        self.stop_signum = 0  # a signal received by any rank, as agreed by all ranks (see _agree)
+        self.stop_signum = 0  # a signal received by any rank, as agreed by all ranks (see _agree_on_stop)
         self.metrics = MetricLogger(config.metrics, self.run_dir, rank=self.rank, total_steps=config.training.steps,
                                     config_text=config_to_toml(config), start_step=self.step)
 
@@ -306,7 +308,7 @@ class Trainer:
             # micro-batch's replay would overwrite them: accumulate into gradients of our own, zeroed in place.
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device.type)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
 
     # -- resume -------------------------------------------------------------------------------------------------
@@ -397,17 +399,13 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.AVG)
         return value
 
-    def _agree(self, finite: torch.Tensor) -> bool:
-        """Whether this step's update is finite on every rank; also sets `stop_signum` to any rank's signal.
-
-        Both decisions must be the same on every rank, or the ranks drift apart or deadlock in the next collective.
-        `.item()` is one device sync per step; the all-reduce is of a CPU tensor (gloo), adding no device sync.
-        """
-        flags = torch.tensor([int(not finite.item()), self.stop.received])
+    def _agree_on_stop(self) -> int:
+        """The number of a signal received by any rank, 0 for none: the same on every rank, or the ranks would drift
+        apart or deadlock in the next collective. A CPU tensor's all-reduce (gloo): no device sync."""
+        received = torch.tensor([self.stop.received])
         if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.stop_signum = int(flags[1])
-        return not flags[0]
+            dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        return int(received[0])
 
     def _next_batch(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The loader's next (inputs, labels, doc_start) on this device; doc_start None without data.document_mask.
@@ -418,9 +416,9 @@ class Trainer:
             inputs, labels = shard_sequence(inputs, cp_mesh), shard_sequence(labels, cp_mesh)
         return inputs, labels, doc_start[0] if doc_start else None
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
-        """One optimizer step over `grad_accum` micro-batches; returns (mean loss, grad norm, data seconds, the
-        LR this step used, whether the update was applied)."""
+    def _gradients(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Queue the forward and backward of this step's `grad_accum` micro-batches and the clipping; returns the
+        summed loss and the gradient norm (device tensors) and the seconds spent waiting for batches."""
         debug = self.config.debug
         inject_nan = 0 < debug.nan_at_step <= self.step < debug.nan_at_step + debug.nan_steps
         data_time, total = 0.0, torch.zeros((), device=self.device)
@@ -441,20 +439,57 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        if debug.fault_rank in (-1, self.rank):
+        return total, grad_norm, data_time
+
+    def _update(self, total: torch.Tensor, grad_norm: torch.Tensor, data_time: float) -> PendingOutcome:
+        """Queue this step's update and return its outcome, still on its way to the host (`nsa_training.outcome`).
+
+        A non-finite loss or gradient norm on any rank would poison the weights and Adam's moments: then the fused
+        AdamW skips the update on the device (`found_inf`, its step counts unchanged), decided from one all-reduce of
+        [loss, non-finite] that every rank shares. Call `_settle` for the previous step first: its outcome decides
+        the LR this update reads."""
+        debug = self.config.debug
+        if debug.fault_rank in (-1, self.rank):  # after the previous step's line: the stall or death is this step's
             if self.step == debug.sleep_at_step:
                 time.sleep(debug.sleep_s)
             if self.step == debug.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-        applied = self._agree(torch.isfinite(total + grad_norm))
-        lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on to the next step's
-        # A non-finite loss or gradient would poison the weights and Adam's moments: drop the gradients instead.
-        # The LR schedule does not advance either: it counts applied updates, as if this batch had not come.
-        if applied:
-            self.optimizer.step()
-            self.lr_scheduler.step()
+        stats = torch.stack([total, (~torch.isfinite(total + grad_norm)).float()])
+        if self.world_size > 1:
+            dist.all_reduce(stats)
+        skipped = stats[1] > 0
+        self.stop_signum = self._agree_on_stop()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.found_inf = skipped.float()
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
-        return total, grad_norm, data_time, lr, applied
+        # Read with the step's scalars: by then the next forward has replaced (or, replayed as a CUDA graph,
+        # overwritten) the model's own.
+        nsa_stats = (self.model.nsa_stats.detach().clone()
+                     if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step) else None)
+        return PendingOutcome(self.step, stats[0] / self.world_size, grad_norm, skipped, lr, data_time, nsa_stats)
+
+    def _settle(self) -> StepOutcome | None:
+        """Read the pending step's outcome, if any, and do what the host owes it: the LR schedule advances only for
+        an applied update (it counts applied updates, as if a skipped batch had not come), the skip counters, its
+        log line, and the stop after `training.max_skipped_steps` skipped steps in a row. Returns the latest
+        settled step's outcome (None before the first)."""
+        if self.pending is None:
+            return self.last_outcome
+        outcome, self.pending = self.pending.settle(), None
+        self.last_outcome = outcome
+        if outcome.applied:
+            self.lr_scheduler.step()
+        self.skipped_in_a_row = 0 if outcome.applied else self.skipped_in_a_row + 1
+        self.skipped_steps += not outcome.applied
+        self._log_step(outcome)
+        max_skipped = self.config.training.max_skipped_steps
+        if self.skipped_in_a_row >= max_skipped:
+            raise TrainingDiverged(
+                f"step {outcome.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
+                f"row (training.max_skipped_steps = {max_skipped}); latest checkpoint "
+                f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
+        return outcome
 
     # -- eval ---------------------------------------------------------------------------------------------------
 
@@ -507,38 +542,38 @@ class Trainer:
         self.last_eval: tuple[int, float] | None = None
         self.compiled: dict[str, int] | None = None  # compile_counters() at the last reading (from the 2nd step)
         self.recorded_again = False  # warned of a CUDA graph recorded again after warm-up
+        self.pending: PendingOutcome | None = None  # the step whose outcome the host has not read yet (`_settle`)
+        self.last_outcome: StepOutcome | None = None
         with (self.stop, HangWatchdog(debug.init_timeout_s, debug.hang_timeout_s, self.run_dir, self.rank) as watchdog,
               ReportFailures(self.rank, self.step, debug.init_timeout_s, debug.collective_timeout_s, self.memory,
                              out_of_memory_advice(self.config, self.device.type, self.world_size)) as failures):
             while self.step < cfg.steps and not self.stop_signum:
                 self.step += 1
-                loss, grad_norm, data_time, lr, applied = self.train_step()
-                self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
-                self.skipped_steps += not applied
+                total, grad_norm, data_time = self._gradients()
+                self._settle()  # the previous step, now that this one's work is queued behind it
+                self.pending = self._update(total, grad_norm, data_time)
                 if profiler is not None:
                     profiler.step()
-                self._log_step(loss, grad_norm, data_time, lr, applied)
-                if self.skipped_in_a_row >= cfg.max_skipped_steps:
-                    raise TrainingDiverged(
-                        f"step {self.step}: loss or gradient norm not finite for {self.skipped_in_a_row} steps in a "
-                        f"row (training.max_skipped_steps = {cfg.max_skipped_steps}); latest checkpoint "
-                        f"{self._latest_checkpoint()}: rerun to resume from it, e.g. with a lower optimizer.lr")
                 if self.eval_loader is not None and evaluates_at(self.step, cfg):
+                    self._settle()  # its line before the evaluation's (which waits for the device anyway)
                     self.last_eval = self.step, self.evaluate()
                     self.metrics.log(self.step, {"eval/loss": self.last_eval[1]})
                     if self.passkey_filler is not None:
                         self._evaluate_passkey()
                     if self.compiled is not None:
                         self._check_recompiles(expected=True)
-                if applied:  # never checkpoint right after a non-finite step: resume from the last good one
-                    self.checkpointer.save(self.step, self.states,
-                                           final=self.step == cfg.steps or bool(self.stop_signum))
+                final = self.step == cfg.steps or bool(self.stop_signum)
+                if self.checkpointer.due(self.step, final=final):
+                    # Never checkpoint right after a non-finite step: resume from the last good one.
+                    if self._settle().applied:
+                        self.checkpointer.save(self.step, self.states, final=final)
                 watchdog.beat(self.step)
                 failures.beat(self.step)
                 if self.memory is not None:
                     self.memory.after_step(self.step)
                 if self.step == first_step:  # compilation and the first checkpoint load are over: fail fast now
                     self._set_collective_timeout(debug.collective_timeout_s)
+            self._settle()
         if profiler is not None:
             profiler.stop()
         return self._finish()
@@ -559,14 +594,15 @@ class Trainer:
                   "(nsa_training/metrics.py PEAK_BF16_TFLOPS): perf/mfu is not logged", file=sys.stderr, flush=True)
         self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
 
-    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_time: float, lr: float,
-                  applied: bool) -> None:
+    def _log_step(self, outcome: StepOutcome) -> None:
         """Compile counters at this start's second step (then any later rise: `_check_recompiles`), the step's
         scalars every `metrics.log_freq` steps (and every skipped step), NSA telemetry every `metrics.nsa_stats_freq`
-        steps."""
+        steps. Called when the step settles: perf/* time the steps up to the end of its device work."""
+        step = outcome.step
         self.window_steps += 1
-        self.window_data_time += data_time
-        if self.step == self.first_step + 1 and self.config.compile.enable:  # compiled in this start's first step
+        self.window_data_time += outcome.data_time
+        # Compiles happen as the host queues a step: by now, this start's second step (self.step) has been queued.
+        if self.compiled is None and self.step == self.first_step + 1 and self.config.compile.enable:
             counts = compile_counters()
             if not self.cuda_graphs:  # nothing to capture: a 0 would read as "all captured"
                 del counts["cudagraph_skips"], counts["cudagraph_recorded_inputs"]
@@ -575,24 +611,22 @@ class Trainer:
             self.compiled = counts
         elif self.compiled is not None:
             self._check_recompiles()
-        if self.metrics.should_log(self.step) or not applied:  # a skipped step always gets its line
-            loss = self._mean_over_ranks(loss).item()  # .item() syncs: timings below cover the device work
-            self.last_train_loss = loss
+        if self.metrics.should_log(step) or not outcome.applied:  # a skipped step always gets its line
+            self.last_train_loss = outcome.loss
             elapsed = (time.perf_counter() - self.window_start) / self.window_steps
             tflops = self.flops_per_step / elapsed / 1e12
-            self.metrics.log(self.step, {
-                "train/loss": loss, "train/lr": lr,
-                "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
+            self.metrics.log(step, {
+                "train/loss": outcome.loss, "train/lr": outcome.lr,
+                "train/grad_norm": outcome.grad_norm, "train/skipped_steps": self.skipped_steps,
                 "perf/tokens_per_s": self.config.training.global_batch_tokens / elapsed, "perf/step_time_s": elapsed,
                 "perf/data_time_s": self.window_data_time / self.window_steps, "perf/tflops": tflops,
                 **({"perf/mfu": tflops / self.peak_tflops} if self.peak_tflops else {}),
                 **memory_scalars(self.device)})
             self.window_start, self.window_steps, self.window_data_time = time.perf_counter(), 0, 0.0
-        if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step):
-            # Computed in every forward inside the compiled graph; reading it is this step's one extra sync.
-            scalars, histograms = nsa_metrics(self.model.nsa_stats.tolist())
-            self.metrics.log(self.step, scalars)
-            self.metrics.log_histograms(self.step, histograms)
+        if outcome.nsa_stats is not None:
+            scalars, histograms = nsa_metrics(outcome.nsa_stats)
+            self.metrics.log(step, scalars)
+            self.metrics.log_histograms(step, histograms)
 
     # -- finish -------------------------------------------------------------------------------------------------
 

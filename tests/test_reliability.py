@@ -78,7 +78,7 @@ def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
         rf"in {re.escape(str(stack_file))}", errors[0]), result.stderr[-3000:]
     assert int(re.search(r"in (\d+) s", errors[0])[1]) >= 5
     stacks = stack_file.read_text()
-    assert 'trainer.py", line' in stacks and " in train_step" in stacks  # the main thread, caught in the step
+    assert 'trainer.py", line' in stacks and " in _update" in stacks  # the main thread, caught in the step
     assert "in _watch" in stacks  # every thread, not only the stuck one
 
 
