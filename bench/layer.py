@@ -3,7 +3,9 @@
     python bench/layer.py --device cpu --seq-lens 2048 8192
     python bench/layer.py --device cuda --seq-lens 2048 8192 32768 --compile
 
-Prints a markdown table (one row per flavor x T) for docs/PERFORMANCE.md. On CPU the peak is the process's
+Prints a markdown table (one row per flavor x T) for docs/PERFORMANCE.md. Host fwd / bwd: the time the host takes
+to enqueue the forward / backward (on a GPU, without waiting for it; compiled, without CUDA graphs): where their sum
+nears the fwd+bwd time, the host bounds the block, as it does a step under FSDP2. On CPU the peak is the process's
 maximum RSS, which never decreases: measure one flavor and T per process for exact CPU peaks.
 """
 
@@ -32,12 +34,15 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, repeats: int, compile: bool,
-               query_chunk: int, profile: bool = False, backend: str = "reference",
-               batch: int = 1) -> tuple[float, float]:
-    """Median fwd+bwd milliseconds and peak memory (GiB) of block 0 of `flavor` on a [batch, T, dim] input."""
+               query_chunk: int, profile: bool = False, backend: str = "reference", batch: int = 1,
+               window_backend: str | None = None) -> tuple[float, float, float, float]:
+    """Median fwd+bwd milliseconds, the host's median fwd and bwd enqueue milliseconds, and peak memory (GiB) of
+    block 0 of `flavor` on a [batch, T, dim] input."""
     args = get_flavor(flavor)
-    args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len),
-                               nsa=dataclasses.replace(args.nsa, query_chunk=query_chunk, backend=backend))
+    nsa = dataclasses.replace(args.nsa, query_chunk=query_chunk, backend=backend)
+    if window_backend is not None:
+        nsa = dataclasses.replace(nsa, window_backend=window_backend)
+    args = dataclasses.replace(args, max_seq_len=max(T, args.max_seq_len), nsa=nsa)
     if args.attention == "nsa":
         check_backend(args.nsa, device, dtype)
     torch.manual_seed(0)
@@ -49,10 +54,14 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
     fn = torch.compile(block, fullgraph=True, dynamic=False) if compile else block
     x = torch.randn(batch, T, args.dim, device=device, requires_grad=True)
 
-    def step() -> None:
+    def step() -> float:
+        """fwd+bwd; returns when the forward was enqueued."""
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             out, _ = fn(x, rope, mask)
-        out.float().square().mean().backward()
+        loss = out.float().square().mean()
+        enqueued = time.perf_counter()
+        loss.backward()
+        return enqueued
 
     for _ in range(2):  # warm-up (and compilation)
         step()
@@ -64,14 +73,18 @@ def time_block(flavor: str, T: int, device: torch.device, dtype: torch.dtype, re
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, host_fwd, host_bwd = [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        step()
+        forward_enqueued = step()
+        backward_enqueued = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), peak_bytes(device) / 2**30
+        host_fwd.append((forward_enqueued - start) * 1e3)
+        host_bwd.append((backward_enqueued - forward_enqueued) * 1e3)
+    return (statistics.median(times), statistics.median(host_fwd), statistics.median(host_bwd),
+            peak_bytes(device) / 2**30)
 
 
 def main() -> None:
@@ -85,19 +98,21 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
     parser.add_argument("--profile", action="store_true", help="also print the top ops of one step")
     parser.add_argument("--backend", default="reference", help="NSA backend (model.nsa.backend)")
+    parser.add_argument("--window-backend", default=None, help="model.nsa.window_backend (default: the flavor's)")
     opts = parser.parse_args()
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"# one block, B={opts.batch}, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, compile={opts.compile}, nsa backend={opts.backend}")
-    print("| flavor | T | fwd+bwd ms | peak GiB |")
-    print("|---|---|---|---|")
+          f"{torch.get_num_threads()} CPU threads, compile={opts.compile}, nsa backend={opts.backend}, "
+          f"window backend={opts.window_backend or 'default'}")
+    print("| flavor | T | fwd+bwd ms | host fwd ms | host bwd ms | peak GiB |")
+    print("|---|---|---|---|---|---|")
     for flavor in opts.flavors:
         for T in opts.seq_lens:
-            ms, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk,
-                                 opts.profile, opts.backend, opts.batch)
-            print(f"| {flavor} | {T} | {ms:.1f} | {gib:.2f} |", flush=True)
+            ms, fwd, bwd, gib = time_block(flavor, T, device, dtype, opts.repeats, opts.compile, opts.query_chunk,
+                                           opts.profile, opts.backend, opts.batch, opts.window_backend)
+            print(f"| {flavor} | {T} | {ms:.1f} | {fwd:.2f} | {bwd:.2f} | {gib:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
