@@ -289,37 +289,47 @@ def test_a_recompile_after_warm_up_is_one_warning(tmp_path, monkeypatch, capsys)
     assert sorted(logged) == [2, 4] and logged[4] > logged[2]
 
 
+# Runs train.main in a process of its own with sync debug mode "error" from step 3 until the run's end (which may
+# wait: the weights' export).
+SYNC_CHECKED_RUN = """import sys
+import torch
+import train
+from nsa_training.trainer import Trainer
+
+gradients, finish = Trainer._gradients, Trainer._finish
+
+
+def checked_gradients(self):
+    if self.step == 3:
+        torch.cuda.set_sync_debug_mode("error")
+    return gradients(self)
+
+
+def unchecked_finish(self):
+    torch.cuda.set_sync_debug_mode("default")
+    return finish(self)
+
+
+Trainer._gradients, Trainer._finish = checked_gradients, unchecked_finish
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.gpu
-def test_steady_steps_make_no_synchronizing_cuda_call(tmp_path, monkeypatch, capsys):
+def test_steady_steps_make_no_synchronizing_cuda_call(tmp_path):
     """From the third step on, a step only queues its work and reads the previous step's outcome behind an event
     (`nsa_training.outcome`): no `.item()` and no blocking copy, which `torch.cuda.set_sync_debug_mode("error")`
     turns into an error. A log line every step, two micro-batches, and a skipped step (its update dropped on the
     device) still come as before. (The CPU tests check what a skipped step does to the LR schedule and checkpoints.)"""
-    import train
-
-    gradients, finish = Trainer._gradients, Trainer._finish
-
-    def checked_gradients(self):
-        if self.step == 3:
-            torch.cuda.set_sync_debug_mode("error")
-        return gradients(self)
-
-    def unchecked_finish(self):  # the run's end may wait (the weights' export)
-        torch.cuda.set_sync_debug_mode("default")
-        return finish(self)
-
-    monkeypatch.setattr(Trainer, "_gradients", checked_gradients)
-    monkeypatch.setattr(Trainer, "_finish", unchecked_finish)
     run_dir = tmp_path / "run"
-    try:
-        code = train.main(["recipes/debug.toml", "--job.run_dir", str(run_dir), "--training.steps", "8",
-                           *merged(FAST, ["--training.global_batch_tokens", "1024", "--training.eval_interval", "0"]),
-                           "--training.device", "cuda", "--model.nsa.backend", "triton", "--compile.enable", "true",
-                           "--compile.mode", "default", "--data.source", "synthetic", "--checkpoint.enable", "false",
-                           "--debug.nan_at_step", "5"])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert code == 0, capsys.readouterr().err[-3000:]
+    result = subprocess.run([sys.executable, "-c", SYNC_CHECKED_RUN, "recipes/debug.toml", "--job.run_dir",
+                             str(run_dir), "--training.steps", "8",
+                             *merged(FAST, ["--training.global_batch_tokens", "1024", "--training.eval_interval", "0"]),
+                             "--training.device", "cuda", "--model.nsa.backend", "triton", "--compile.enable", "true",
+                             "--compile.mode", "default", "--data.source", "synthetic", "--checkpoint.enable", "false",
+                             "--debug.nan_at_step", "5"],
+                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
     logged = scalars(event_files(run_dir)[-1])
     assert sorted(logged["train/loss"]) == list(range(1, 9))
     assert [logged["train/skipped_steps"][s] for s in (4, 5, 8)] == [0, 1, 1]
