@@ -454,20 +454,19 @@ class Trainer:
                 time.sleep(debug.sleep_s)
             if self.step == debug.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-        stats = torch.stack([total, (~torch.isfinite(total + grad_norm)).float()])
-        if self.world_size > 1:
-            dist.all_reduce(stats)
-        skipped = stats[1] > 0
+        # [loss, non-finite] averaged over the ranks: any rank's non-finite step makes the flag positive everywhere.
+        stats = self._mean_over_ranks(torch.stack([total, (~torch.isfinite(total + grad_norm)).float()]))
+        skipped = (stats[1] > 0).float()
         self.stop_signum = self._agree_on_stop()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.found_inf = skipped.float()
+        self.optimizer.found_inf = skipped
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
         # Read with the step's scalars: by then the next forward has replaced (or, replayed as a CUDA graph,
         # overwritten) the model's own.
         nsa_stats = (self.model.nsa_stats.detach().clone()
                      if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step) else None)
-        return PendingOutcome(self.step, stats[0] / self.world_size, grad_norm, skipped, lr, data_time, nsa_stats)
+        return PendingOutcome(self.step, stats[0], grad_norm, skipped, lr, data_time, nsa_stats)
 
     def _settle(self) -> StepOutcome | None:
         """Read the pending step's outcome, if any, and do what the host owes it: the LR schedule advances only for
