@@ -21,7 +21,7 @@ from torch import Tensor
 class StepOutcome:
     """One optimizer step as the host sees it."""
     step: int
-    loss: float          # the micro-batches' summed loss, averaged over the ranks
+    loss: float          # the step's loss (the mean over its micro-batches), averaged over the ranks
     grad_norm: float     # before clipping
     applied: bool        # False: the loss or gradient norm was not finite on some rank; the update was skipped
     lr: float            # the LR this step's update used (or would have)
