@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from nsa_models.args import NSAArgs
-from nsa_models.nsa import triton_compressed, triton_selection
+from nsa_models.nsa import triton_common, triton_compressed, triton_selection
 from nsa_models.nsa.reference import compressed_branch, select_blocks
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selection import select_topn, selection_keys
@@ -43,17 +43,20 @@ def reference(q, k, v, args):
 # l = d = l'), n above the candidate count (padding), D not a power of two, and small tiles so that loops run over
 # several key tiles (the selection's overlap carried across them) and reach the unmasked tiles (whose unused rows
 # and rows past T must add nothing).
-CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64),
-         (2, 37, 1, 1, 16, (16, 16, 16), 4, 64),
-         (1, 70, 2, 3, 16, (32, 16, 16), 3, 64),
-         (1, 130, 2, 4, 24, (32, 16, 64), 2, 64),
-         (1, 200, 1, 2, 16, (16, 8, 32), 5, 64),
-         (1, 300, 2, 2, 16, (16, 8, 16), 6, 16),
-         (1, 200, 2, 3, 16, (32, 16, 64), 4, 16)]
+CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64, True),
+         (2, 37, 1, 1, 16, (16, 16, 16), 4, 64, False),
+         (1, 70, 2, 3, 16, (32, 16, 16), 3, 64, True),
+         (1, 130, 2, 4, 24, (32, 16, 64), 2, 64, True),
+         (1, 200, 1, 2, 16, (16, 8, 32), 5, 64, False),
+         (1, 300, 2, 2, 16, (16, 8, 16), 6, 16, True),
+         (1, 200, 2, 3, 16, (32, 16, 64), 4, 16, False)]
 
 
-@pytest.mark.parametrize("B,T,H,G,D,blocks,n,keys", CASES)
-def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, blocks, n, keys, monkeypatch):
+# tma: keys and values through the kernels' device-side TMA descriptors (at these head dims, only when told to), or
+# pointer loads.
+@pytest.mark.parametrize("B,T,H,G,D,blocks,n,keys,tma", CASES)
+def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, blocks, n, keys, tma, monkeypatch):
+    monkeypatch.setattr(triton_common, "TMA_MIN_ROW_BYTES", 0 if tma else 1 << 30)
     monkeypatch.setattr(triton_compressed, "_KEYS", keys)
     monkeypatch.setattr(triton_selection, "_KEYS", keys)
     monkeypatch.setattr(triton_compressed, "_KEYS_BWD", keys)

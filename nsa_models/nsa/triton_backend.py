@@ -2,10 +2,10 @@
 kernels for the window (and, when chosen, FlashAttention-4 for the compressed branch).
 
 Same contract as `nsa_reference`. Branches:
-- compressed attention: `triton_compressed.compressed_attention_fwd` (custom op, deterministic backward), or
+- compressed attention: `triton_compressed.compressed_attention_fwd` (triton_op, deterministic backward), or
   FlashAttention-4 over queries packed as heads (`cmp_backend = "flash_attn_4"`, `fa4.fa4_compressed_attention`);
   either also returns the log-sum-exp the selection needs;
-- selection scores and top-n: `triton_selection.select_topn` (custom op; the ranking and tie-break of the
+- selection scores and top-n: `triton_selection.select_topn` (triton_op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward; with
   `selected_kernels = "gluon_hopper"` its key-block-major forward and dK/dV kernels are `gluon_selected`'s);

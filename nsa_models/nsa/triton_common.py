@@ -7,6 +7,9 @@ Layouts as the kernels': q, o [B, T, HQ, D]; k, v [B, N, H, D] (N: tokens or com
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -17,14 +20,51 @@ from nsa_models.args import TRITON_MAX_BATCH_HEADS
 
 LOG2E = 1.4426950408889634  # host code scales by it; kernels read only constexpr globals, so they spell it out
 
+# The Triton interpreter (CPU runs and tests) runs kernels as Python functions, which make_fx cannot trace.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_op(name: str, fake: Callable) -> Callable[[Callable], torch.library.CustomOpDef]:
+    """Register `fn` (torch ops and `torch.library.wrap_triton(kernel)[grid](...)` launches only) as the operator
+    `name`. Compiled, a `torch.library.triton_op`: inductor traces the body and launches the kernels itself, so a
+    call costs no custom-op dispatch, no Python and no Triton JIT launch at run time (what bounds a step without CUDA
+    graphs: FSDP2, `compile.mode = "default"`). Under the interpreter a plain custom op with `fake` (the interpreter's
+    kernels cannot be traced). Kernels take Python floats as fp32 from Triton's launcher but as fp64 from
+    inductor's: they cast their float arguments to fp32 first."""
+    def register(fn: Callable) -> torch.library.CustomOpDef:
+        if not INTERPRETED:
+            return torch.library.triton_op(name, fn, mutates_args=())
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return register
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def direct_launch(kernel: triton.JITFunction) -> triton.JITFunction:
+    """`kernel`, for a launch from eager code (tests, benchmarks), with Triton's global-scratch allocator set: the
+    device-side TMA descriptors (`head_rows_descriptors`) live there. The allocator is per thread (a ContextVar),
+    and autograd runs the backward on a thread of its own, so every launch sets it."""
+    triton.set_allocator(_scratch)
+    return kernel
+
+
+def op_launch(kernel: triton.JITFunction) -> Callable:
+    """`kernel`, for a launch from a `kernel_op`'s body: through `torch.library.wrap_triton`, so that inductor
+    launches it (and allocates its scratch) once compiled; eager, as `direct_launch`."""
+    return torch.library.wrap_triton(direct_launch(kernel))
+
 
 @triton.jit
 def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                    BD: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + ROWS) of head h of batch b of a [B, N, H, D] tensor, as [ROWS, BD]; rows outside
-    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand`) and the copy engine loads the
-    box (head-dim lanes past D may hold the next head's values: callers meet them with zero q / dO lanes and
-    never store them); else pointer loads."""
+    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand` or `head_rows_descriptors`) and
+    the copy engine loads the box (head-dim lanes past D may hold the next head's values: callers meet them with
+    zero q / dO lanes and never store them); else pointer loads."""
     if TMA:
         x = X.load([tl.cast(b, tl.int32), tl.cast(start, tl.int32), tl.cast(h * D, tl.int32)]).reshape(ROWS, BD)
     else:
@@ -32,6 +72,23 @@ def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constex
         ptr = (b * N * H + h) * D + r[:, None] * (H * D) + d[None, :]  # the scalar part first: fewer registers
         x = tl.load(X + ptr, mask=((r >= 0) & (r < N))[:, None] & d_ok[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def head_rows_descriptors(K, V, B, N, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                          TMA: tl.constexpr):
+    """K and V [B, N, H, D] (`tma_source`'s) as `load_head_rows` reads them: with TMA, descriptors made on the
+    device, one box = ROWS rows of one head; else the pointers. Made here rather than on the host because inductor
+    launches these kernels (`kernel_op`) and cannot pass host descriptors; each program writes its own into
+    global scratch (`direct_launch`). N = 0 is read from `tma_source`'s one zero row."""
+    if TMA:
+        rows = tl.maximum(N, 1)
+        stride = rows.to(tl.int64) * (H * D)
+        K = tl.make_tensor_descriptor(K, shape=[B, rows, H * D], strides=[stride, H * D, 1],
+                                      block_shape=[1, ROWS, BD])
+        V = tl.make_tensor_descriptor(V, shape=[B, rows, H * D], strides=[stride, H * D, 1],
+                                      block_shape=[1, ROWS, BD])
+    return K, V
 
 
 @triton.jit
@@ -85,19 +142,52 @@ def check_batch_heads(B: int, H: int, op: str) -> None:
                          "KV head) pairs of one call: split the batch")
 
 
-def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
-    """What `load_head_rows` reads x [B, N, H, D] through: with tma, its descriptor, one box = `rows` rows of one
-    head (N = 0 gets one zero row: a descriptor needs a non-empty tensor); else x itself. Before Hopper (no TMA)
-    Triton compiles descriptor loads to pointer loads."""
-    if not tma:
-        return x
+# Rows of at least this many bytes come through TMA (`kv_tma`). A device-side descriptor costs each program a write
+# to global scratch and a fence: measured on the sweep (H200, Triton forward / dQ ms, host descriptors -> device
+# ones -> pointer loads), nsa-125m 16 x 2k (bf16, D = 64: 128-byte rows) 0.573 / 0.501 -> 0.617 / 0.546 -> 0.560 /
+# 0.499, nsa-1b 8 x 2k (D = 128: 256-byte rows) 0.466 / 0.729 -> 0.494 / 0.745 -> 0.610 / 0.820.
+TMA_MIN_ROW_BYTES = 256
+
+
+def kv_tma(x: Tensor) -> bool:
+    """Whether kernels read x [B, N, H, D]'s rows through TMA (`TMA_MIN_ROW_BYTES`)."""
+    return x.shape[-1] * x.element_size() >= TMA_MIN_ROW_BYTES
+
+
+def tma_source(x: Tensor) -> Tensor:
+    """x [B, N, H, D] contiguous, as a TMA descriptor can read it: one zero row for N = 0 (a descriptor needs a
+    non-empty tensor), a copy when its base is not 16-byte aligned (the allocator's bases are; a view's offset may
+    not be); ValueError when its rows cannot be. Traceable (no data pointer): `kernel_op` bodies call it."""
     B, N, H, D = x.shape
     if D > 256 or H * D * x.element_size() % 16:
         raise ValueError(f"NSA Triton kernels: head dim {D} must be at most 256, with H * D * element size = "
                          f"{H * D * x.element_size()} bytes a multiple of 16 (a TMA descriptor's rows)")
-    if N == 0 or x.data_ptr() % 16:  # TMA needs a 16-byte aligned base
-        x = x.new_zeros(B, 1, H, D) if N == 0 else x.clone()
-    return TensorDescriptor(x.view(B, -1, H * D), [B, x.shape[1], H * D], [x.shape[1] * H * D, H * D, 1],
+    x = x.contiguous()
+    if N == 0:
+        return x.new_zeros(B, 1, H, D)
+    return x.clone() if x.storage_offset() * x.element_size() % 16 else x
+
+
+def kv_sources(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values [B, N, H, D] as kernels that make their descriptors on the device (`head_rows_descriptors`)
+    read them: `tma_source`s where `kv_tma`, else as they are. Host TMA descriptors against pointer loads on the
+    compressed branch (H200, op ms, forward / backward / selection): 64k, G = 16, D = 128: 10.87 / 29.12 / 13.57 ->
+    9.93 / 28.17 / 11.66; 32k, G = 1: 2.90 / 9.62 / 4.70 -> 2.67 / 9.29 / 4.77; nsa-125m (G = 3, D = 64) at 1 x
+    32k: 0.410 / 1.289 / 1.005 -> 0.392 / 1.262 / 1.004, at 16 x 2k: 0.102 / 0.226 / 0.131 -> 0.099 / 0.226 / 0.134."""
+    if not kv_tma(k):
+        return k, v
+    return tma_source(k), tma_source(v)
+
+
+def head_rows_operand(x: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
+    """What `load_head_rows` reads x [B, N, H, D] through from a kernel launched directly: with tma, its host
+    descriptor, one box = `rows` rows of one head; else x itself. Before Hopper (no TMA) Triton compiles
+    descriptor loads to pointer loads."""
+    if not tma:
+        return x
+    x = tma_source(x)
+    B, N, H, D = x.shape
+    return TensorDescriptor(x.view(B, -1, H * D), [B, N, H * D], [N * H * D, H * D, 1],
                             [1, rows, triton.next_power_of_2(D)])
 
 

@@ -1,6 +1,6 @@
-"""Compressed attention (NSA branch 1) in Triton, as torch custom ops. The top-n block selection (branches 2-3),
-which reruns these scores from the forward's log-sum-exp, is in `triton_selection` and shares the tiling and
-block-visibility helpers below.
+"""Compressed attention (NSA branch 1) in Triton, as torch ops (`triton_common.kernel_op`). The top-n block
+selection (branches 2-3), which reruns these scores from the forward's log-sum-exp, is in `triton_selection` and
+shares the tiling and block-visibility helpers below.
 
 Layout as the reference: q, o [B, T, HQ, D]; compressed k, v [B, Nc, H, D]; query head h * G + g reads KV head h.
 Query row r sits at position t = q_start + r of the sequence the compressed blocks summarise (q_start: a runtime
@@ -16,8 +16,8 @@ A tile's rows are QB consecutive query positions x the G heads of one KV group (
 t0 + r // GP, QB = BM // GP), so every query of the group shares the loaded keys and a small G still fills the
 matrix-unit rows with positions. The forward and dQ take GP = G (21 positions, 63 rows at G = 3); dK/dV and
 the selection pad the heads to a power of two GP (unpadded, dK/dV spills; the selection's group sum reshapes the
-rows into [QB, GP]). Key/value tiles come through TMA descriptors (`_kv_operands`), query rows through pointer
-loads (a tile's unused rows must read as zeros).
+rows into [QB, GP]). Key/value tiles come through TMA descriptors made on the device at D = 128
+(`triton_common.kv_sources`), query rows through pointer loads (a tile's unused rows must read as zeros).
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
   tiles that some row of the tile cannot fully see are masked (the last ones of a query tile; in dK/dV the
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_models.nsa import triton_common
 from nsa_models.nsa.triton_common import (
     LOG2E,
+    head_rows_descriptors,
     load_head_rows,
     load_rows,
     online_softmax_update,
@@ -85,11 +85,12 @@ def _query_tile(T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _load_keys(K, V, b, h, n0, NC, d, d_ok, BN: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+def _load_keys(K, V, b, h, n0, NC, d, d_ok, BN: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+               TMA: tl.constexpr):
     """Compressed keys and values [BN, BD] of blocks [n0, n0 + BN) of KV head h of batch b (zeros past the last
-    block), through TMA (`_kv_operands`)."""
-    return (load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, True),
-            load_head_rows(V, b, h, n0, NC, d, d_ok, BN, H, D, BD, True))
+    block), through TMA (`head_rows_descriptors`) or pointer loads."""
+    return (load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA),
+            load_head_rows(V, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA))
 
 
 @triton.jit
@@ -130,14 +131,14 @@ def _visible_range(t0, T, NC, L: tl.constexpr, S: tl.constexpr, QB: tl.constexpr
 
 @triton.jit
 def _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
-              L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-              MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
+              L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr,
+              PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
     """Fold compressed blocks [lo, hi) into the running softmax; MASKED: mask per row the blocks its query does
     not see yet (only the tile's last key tiles need it); DOC_MASK: also those before the row's `first` block (its
     document's)."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
+        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         if DOC_MASK:
             s = tl.where(n[None, :] >= first[:, None], s, float("-inf"))
@@ -150,8 +151,11 @@ def _fwd_keys(q, K, V, b, h, m, l, acc, t, first, lo, hi, NC, d, d_ok, qk_scale,
 @triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD"])
 def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, Q0_ODD, qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BD: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
+                BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                DOC_MASK: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 when inductor launches it (`triton_common.kernel_op`)
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     Q0 = row_offset(Q0, Q0_ODD, b)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -164,12 +168,12 @@ def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, Q0_ODD, qk_scale, H: tl.constex
         lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
         first = _first_block(DOC, b, t, T, S)
         m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
-                              H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
+                              H, D, L, S, BN, BD, TMA, PRECISION, MASKED=True, DOC_MASK=True)
         lo, common = hi, tl.maximum(common, hi)
     m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
-                          BD, PRECISION, MASKED=False)
+                          BD, TMA, PRECISION, MASKED=False)
     m, l, acc = _fwd_keys(q, K, V, b, h, m, l, acc, pos, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
-                          BD, PRECISION, MASKED=True)
+                          BD, TMA, PRECISION, MASKED=True)
     o, lse = softmax_output(m, l, acc)  # a query that sees no compressed block: o = 0, lse = -inf
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=qd_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
@@ -177,13 +181,13 @@ def _fwd_kernel(Q, K, V, DOC, O, LSE, T, NC, Q0, Q0_ODD, qk_scale, H: tl.constex
 
 @triton.jit
 def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, hi, NC, d, d_ok, qk_scale, H: tl.constexpr,
-             D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+             D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr,
              PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
     """Add compressed blocks [lo, hi)'s terms to dq; MASKED, DOC_MASK as in _fwd_keys. Unmasked, a row past the
     sequence or a padded head adds 0: its q, dO, lse and delta load as 0."""
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
-        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD)
+        k, v = _load_keys(K, V, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.exp2(s - lse[:, None])
         if DOC_MASK:
@@ -199,8 +203,10 @@ def _dq_keys(q, do, lse, delta, dq, K, V, b, h, t, first, lo, hi, NC, d, d_ok, q
 def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, Q0_ODD, qk_scale, scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   DOC_MASK: tl.constexpr):
+                   TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     Q0 = row_offset(Q0, Q0_ODD, b)
     q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
     dq = tl.zeros([BM, BD], tl.float32)
@@ -211,12 +217,12 @@ def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, Q0_ODD, qk_scale
         lo, hi = _document_blocks(DOC, b, t0, T, S, BM // GP, BN)
         first = _first_block(DOC, b, t, T, S)
         dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, lo, tl.minimum(hi, end), NC, d, d_ok, qk_scale,
-                      H, D, L, S, BN, BD, PRECISION, MASKED=True, DOC_MASK=True)
+                      H, D, L, S, BN, BD, TMA, PRECISION, MASKED=True, DOC_MASK=True)
         lo, common = hi, tl.maximum(common, hi)
     dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, lo, common, NC, d, d_ok, qk_scale, H, D, L, S, BN,
-                  BD, PRECISION, MASKED=False)
+                  BD, TMA, PRECISION, MASKED=False)
     dq = _dq_keys(q, do, lse, delta, dq, K, V, b, h, pos, first, common, end, NC, d, d_ok, qk_scale, H, D, L, S, BN,
-                  BD, PRECISION, MASKED=True)
+                  BD, TMA, PRECISION, MASKED=True)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
@@ -248,15 +254,17 @@ def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, N
 def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, Q0, Q0_ODD, CHUNK, qk_scale, scale,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                      S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                     DOC_MASK: tl.constexpr):
+                     TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     tile, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     bh = tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
+    K, V = head_rows_descriptors(K, V, tl.num_programs(2) // H, NC, H, D, BN, BD, TMA)
     Q0 = row_offset(Q0, Q0_ODD, b)
     n = tile * BN + tl.arange(0, BN)
     d = tl.arange(0, BD)
     d_ok = d < D
-    k, v = _load_keys(K, V, b, h, tile * BN, NC, d, d_ok, BN, H, D, BD)
+    k, v = _load_keys(K, V, b, h, tile * BN, NC, d, d_ok, BN, H, D, BD, TMA)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
     stop = tl.minimum(chunk * CHUNK + CHUNK, T)
@@ -330,19 +338,15 @@ def _document_ends(doc_start: Tensor) -> Tensor:
     return F.pad(starts, (0, 1), value=T).flip(1).cummin(1).values.flip(1).contiguous()
 
 
-def _kv_operands(k: Tensor, v: Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """The compressed keys' and values' TMA descriptors, `rows` blocks a box. TMA against pointer loads (H200,
-    op ms, forward / backward / selection): 64k, G = 16, D = 128: 10.87 / 29.12 / 13.57 -> 9.93 / 28.17 / 11.66;
-    32k, G = 1: 2.90 / 9.62 / 4.70 -> 2.67 / 9.29 / 4.77; nsa-125m (G = 3, D = 64) at 1 x 32k: 0.410 / 1.289 /
-    1.005 -> 0.392 / 1.262 / 1.004, at 16 x 2k: 0.102 / 0.226 / 0.131 -> 0.099 / 0.226 / 0.134."""
-    return tuple(triton_common.head_rows_operand(x, rows, True) for x in (k, v))
-
-
 def _contiguous(doc_start: Tensor | None) -> Tensor | None:
     return None if doc_start is None else doc_start.contiguous()
 
 
-@torch.library.custom_op("nsa::compressed_attention_fwd", mutates_args=())
+def _fwd_fake(q, k, v, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@triton_common.kernel_op("nsa::compressed_attention_fwd", _fwd_fake)
 def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
                              doc_start: Tensor | None = None, q_start: int = 0,
                              q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
@@ -359,15 +363,11 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
     # 3 stages: 1-10% faster than 2 from 2k to 64k (H200); the backward kernels gained at some shapes and lost
     # at others, so they keep 2.
-    _fwd_kernel[grid](q, *_kv_operands(k, v, _KEYS), doc_start, o, lse, T, NC,
-                      *query_offsets(q_start, q_start_odd), scale * LOG2E, H=H, L=block,
-                      S=stride, BN=_KEYS, DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
+    triton_common.op_launch(_fwd_kernel)[grid](q, *triton_common.kv_sources(k, v), doc_start, o, lse, T, NC,
+                                               *query_offsets(q_start, q_start_odd), scale * LOG2E, H=H, L=block,
+                                               S=stride, BN=_KEYS, TMA=triton_common.kv_tma(k),
+                                               DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
     return o, lse
-
-
-@compressed_attention_fwd.register_fake
-def _(q, k, v, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
@@ -377,7 +377,11 @@ def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
     return max(chunk, triton.cdiv(T, _BWD_CHUNKS_MAX))
 
 
-@torch.library.custom_op("nsa::compressed_attention_bwd", mutates_args=())
+def _bwd_fake(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@triton_common.kernel_op("nsa::compressed_attention_bwd", _bwd_fake)
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
                              stride: int, scale: float, doc_start: Tensor | None = None,
                              q_start: int = 0, q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -389,10 +393,11 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     tiles = _tiling(HQ // H, D, q.dtype)
-    args = dict(H=H, L=block, S=stride, DOC_MASK=doc_start is not None, num_warps=4, num_stages=2)
+    args = dict(H=H, L=block, S=stride, TMA=triton_common.kv_tma(k), DOC_MASK=doc_start is not None, num_warps=4,
+                num_stages=2)
     dq = torch.empty_like(q)
-    _bwd_dq_kernel[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
-        q, *_kv_operands(k, v, _KEYS), doc_start, do, lse, delta, dq, T, NC, q_start, q_start_odd, scale * LOG2E,
+    triton_common.op_launch(_bwd_dq_kernel)[(triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)](
+        q, *triton_common.kv_sources(k, v), doc_start, do, lse, delta, dq, T, NC, q_start, q_start_odd, scale * LOG2E,
         scale, BN=_KEYS,
         **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
@@ -405,18 +410,11 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     dk_part = torch.empty(n_chunks, B, NC, H, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty_like(dk_part)
     if NC:
-        _bwd_dkdv_kernel[(n_tiles, n_chunks, B * H)](q, *_kv_operands(k, v, _KEYS_BWD), doc_start, doc_end, do, lse,
-                                                     delta, dk_part, dv_part, T, NC, q_start, q_start_odd, chunk,
-                                                     scale * LOG2E,
-                                                     scale,
-                                                     BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
-                                                     **args)
+        triton_common.op_launch(_bwd_dkdv_kernel)[(n_tiles, n_chunks, B * H)](
+            q, *triton_common.kv_sources(k, v), doc_start, doc_end, do, lse, delta, dk_part, dv_part, T, NC, q_start,
+            q_start_odd, chunk, scale * LOG2E, scale, BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
+            **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
-
-
-@compressed_attention_bwd.register_fake
-def _(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -24,6 +24,8 @@ forward's tiles. No per-slot partials, no work lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,13 @@ from torch import Tensor
 
 from nsa_models.args import MAX_FUSED_BLOCKS
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows, online_softmax_update, softmax_output
+from nsa_models.nsa.triton_common import (
+    LOG2E,
+    head_rows_descriptors,
+    load_head_rows,
+    online_softmax_update,
+    softmax_output,
+)
 
 # Launch of each kernel: rows (queries x heads) per query tile, keys per step (a multiple of l'), warps, pipeline
 # stages.
@@ -133,8 +141,10 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                 DOC_MASK: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 when inductor launches it (`triton_common.kernel_op`)
     t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
         Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     u = tl.arange(0, BN)
     m_s = tl.full([BM], float("-inf"), tl.float32)
     l_s = tl.zeros([BM], tl.float32)
@@ -173,8 +183,10 @@ def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_S
                    scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                    QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
         Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     u = tl.arange(0, BN)
     do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
     do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
@@ -225,9 +237,11 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN,
     """One program per (BN keys, batch * KV head): their dK and dV, from the query tiles that see them. Scores are
     computed transposed (keys x query rows), so that dV += Pᵀ dO and dK += dSᵀ Q take their left operand straight
     from the accumulator's layout."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     step = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
+    K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     d = tl.arange(0, BD)
     d_ok = d < D
     pos = tl.cast(step * BN, tl.int32) + tl.arange(0, BN)
@@ -285,17 +299,17 @@ def _launch(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None, block_
     stages = launch["num_stages"] if q.element_size() * D <= 256 else 1
     return dict(BITS=bits, DOC=doc, T=T, W=window, qk_scale=scale * LOG2E, H=H, G=G, D=D, BS=block_size,
                 BN=max(block_size, launch["keys"]), QT=QT, BM=triton.next_power_of_2(QT * G),
-                BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype), TMA=True,
+                BD=triton.next_power_of_2(D), PRECISION=triton_common.dot_precision(q.dtype),
+                TMA=triton_common.kv_tma(k),
                 DOC_MASK=doc_start is not None, num_warps=launch["num_warps"], num_stages=stages), triton.cdiv(T, QT)
 
 
-def _operands(k: Tensor, v: Tensor, args: dict) -> tuple:
-    """K and V as a kernel reads them: TMA descriptors of one key step a box, or the tensors."""
-    return (triton_common.head_rows_operand(k, args["BN"], args["TMA"]),
-            triton_common.head_rows_operand(v, args["BN"], args["TMA"]))
+def _fwd_fake(q, k, v, bits, doc_start, block_size, window, scale, kernels="triton"):
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
 
 
-@torch.library.custom_op("nsa::selected_window_fwd", mutates_args=())
+@triton_common.kernel_op("nsa::selected_window_fwd", _fwd_fake)
 def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
                         window: int, scale: float, kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`.
@@ -306,47 +320,67 @@ def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start
     lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
     lse_win = torch.empty_like(lse_slc)
     triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
-               lse_win=lse_win)
+               lse_win=lse_win, launch=triton_common.op_launch)
     return o_slc, o_win, lse_slc, lse_win
 
 
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
-               window: int, scale: float, o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor) -> None:
+               window: int, scale: float, o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
+               launch: Callable = triton_common.direct_launch) -> None:
     """Launch the Triton forward into the outputs (as `gluon_selected_window.gluon_fwd`, with the block size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, FWD_LAUNCH)
-    k, v = _operands(k, v, args)
-    _fwd_kernel[(tiles, q.shape[0] * args["H"])](q, k, v, O_SLC=o_slc, O_WIN=o_win, LSE_SLC=lse_slc,
-                                                 LSE_WIN=lse_win, **args)
+    k, v = triton_common.kv_sources(k, v)
+    launch(_fwd_kernel)[(tiles, q.shape[0] * args["H"])](q, k, v, O_SLC=o_slc, O_WIN=o_win, LSE_SLC=lse_slc,
+                                                      LSE_WIN=lse_win, **args)
 
 
-@selected_window_fwd.register_fake
-def _(q, k, v, bits, doc_start, block_size, window, scale, kernels="triton"):
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+def _bwd_fake(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window,
+              scale, kernels="triton"):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("nsa::selected_window_bwd", mutates_args=())
+@triton_common.kernel_op("nsa::selected_window_bwd", _bwd_fake)
 def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
                         lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
                         doc_start: Tensor | None, block_size: int, window: int, scale: float,
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
-    kernels: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels (Hopper, bf16, head dim 64 or 128,
-    blocks of 64 keys: they raise outside them); "triton" this module's."""
+    kernels: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels (`gluon_selected_window_bwd`:
+    Hopper, bf16, head dim 64 or 128, blocks of 64 keys: they raise outside them); "triton" this module's."""
+    if kernels == "gluon_hopper":
+        return gluon_selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
+                                         doc_start, window, scale)
     q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
     bits = bits.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
                  delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
-    if kernels == "gluon_hopper":
-        from nsa_models.nsa import gluon_selected_window as gluon  # only then: CPU runs never load Gluon
-
-        gluon.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
-        gluon.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
-    else:
-        triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq)
-        triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv)
+    triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq,
+                  launch=triton_common.op_launch)
+    triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv,
+                    launch=triton_common.op_launch)
     return dq, dk, dv
+
+
+@torch.library.custom_op("nsa::gluon_selected_window_bwd", mutates_args=())
+def gluon_selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
+                              lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
+                              doc_start: Tensor | None, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`selected_window_bwd` through the Gluon kernels: an opaque custom op (inductor cannot launch Gluon kernels)."""
+    from nsa_models.nsa import gluon_selected_window as gluon  # only here: CPU runs never load Gluon
+
+    q, k, v, do_slc, do_win, bits = (x.contiguous() for x in (q, k, v, do_slc, do_win, bits))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
+                 delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
+    gluon.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
+    gluon.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
+@gluon_selected_window_bwd.register_fake
+def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _grad_args(do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
@@ -358,31 +392,27 @@ def _grad_args(do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
 
 def triton_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
                   window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
-                  delta_slc: Tensor, delta_win: Tensor, dq: Tensor) -> None:
+                  delta_slc: Tensor, delta_win: Tensor, dq: Tensor,
+                  launch: Callable = triton_common.direct_launch) -> None:
     """Launch the Triton dQ kernel into dq (as `gluon_selected_window.gluon_bwd_dq`, with the block size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
-    k_op, v_op = _operands(k, v, args)
-    _bwd_dq_kernel[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, scale=scale, **args, **_grad_args(
+    k_op, v_op = triton_common.kv_sources(k, v)
+    launch(_bwd_dq_kernel)[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, scale=scale, **args, **_grad_args(
         do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
 
 
 def triton_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
                     window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
-                    delta_slc: Tensor, delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
+                    delta_slc: Tensor, delta_win: Tensor, dk: Tensor, dv: Tensor,
+                    launch: Callable = triton_common.direct_launch) -> None:
     """Launch the Triton dK/dV kernel into dk, dv (as `gluon_selected_window.gluon_bwd_dkdv`, with the block
     size)."""
     args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
-    k_op, v_op = _operands(k, v, args)
+    k_op, v_op = triton_common.kv_sources(k, v)
     query_ends = args["DOC"] if doc_start is None else triton_common.document_query_ends(doc_start, args["BN"])
-    _bwd_dkdv_kernel[(triton.cdiv(q.shape[1], args["BN"]), q.shape[0] * args["H"])](
+    launch(_bwd_dkdv_kernel)[(triton.cdiv(q.shape[1], args["BN"]), q.shape[0] * args["H"])](
         q, k_op, v_op, QEND=query_ends, DK=dk, DV=dv, scale=scale, **args,
         **_grad_args(do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
-
-
-@selected_window_bwd.register_fake
-def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window, scale,
-      kernels="triton"):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,4 +1,4 @@
-"""The top-n block selection (NSA branches 2-3) in Triton, as the torch custom op `nsa::select_topn`.
+"""The top-n block selection (NSA branches 2-3) in Triton, as the torch op `nsa::select_topn` (`kernel_op`).
 
 It reruns the compressed attention's scores (`triton_compressed`: layouts, block visibility and query tiles as
 there, the heads padded to a power of two) from the log-sum-exp `compressed_attention_fwd` returns. With packed
@@ -18,13 +18,15 @@ head's compressed-attention entropy (telemetry).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, load_head_rows, query_offsets, row_offset
+from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptors, load_head_rows, query_offsets, row_offset
 from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _sees, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
@@ -42,6 +44,7 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
                    SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
                    DOC_MASK: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 when inductor launches it (`triton_common.kernel_op`)
     QB: tl.constexpr = BM // GP
     PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
     PB: tl.constexpr = L // S  # stride segments per compressed block
@@ -49,6 +52,7 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     bh = tl.program_id(1).to(tl.int64)
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     Q0 = row_offset(Q0, Q0_ODD, b)
+    K, _ = head_rows_descriptors(K, K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
@@ -133,7 +137,8 @@ def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
 
 def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
             scale: float, store_keys: bool, doc_start: Tensor | None = None, q_start: int = 0,
-            q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+            q_start_odd: int | None = None, launch: Callable = triton_common.direct_launch
+            ) -> tuple[Tensor, Tensor, Tensor | None]:
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
     triton_common.check_batch_heads(B, H, "selection")
@@ -152,16 +157,17 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     per_tile = max(16, triton.next_power_of_2(n_selected), _KEYS * stride // sel_block)
     wide = store_keys or _wide_keys(q.dtype, n_sel)
     grid = (triton.cdiv(T, tiles["BM"] // tiles["GP"]), B * H)
-    # The keys through TMA (measured: `triton_compressed._kv_operands`) while a tile's compressed blocks fit in one box.
+    # The keys through TMA (measured: `triton_common.kv_sources`) where `triton_common.kv_tma` says so and a
+    # tile's compressed blocks fit in one box.
     tile_keys = per_tile * sel_block // stride
-    tma = tile_keys <= _TMA_BOX_ROWS
+    tma = tile_keys <= _TMA_BOX_ROWS and triton_common.kv_tma(k)
     pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
-    keys_operand = triton_common.head_rows_operand(k, tile_keys, tma)
-    _select_kernel[grid](q, keys_operand, lse, doc_start, idx, entropy, keys, T, NC, q_start, q_start_odd, n_sel,
-                         n_selected, 32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
-                         SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
-                         PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
-                         num_stages=3 if pipelined else 2)
+    launch(_select_kernel)[grid](q, triton_common.tma_source(k) if tma else k, lse, doc_start, idx, entropy, keys,
+                                 T, NC, q_start, q_start_odd, n_sel, n_selected,
+                                 32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
+                                 SEL=sel_block, BJ=per_tile, WIDE_KEYS=wide, STORE_KEYS=store_keys, TMA=tma,
+                                 PIPELINED=pipelined, DOC_MASK=doc_start is not None, **tiles, num_warps=4,
+                                 num_stages=3 if pipelined else 2)
     return idx, entropy, keys
 
 
@@ -173,7 +179,13 @@ def selection_keys(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, s
     return _select(q, k, lse, block, stride, sel_block, 1, scale, True, doc_start, q_start)[2]
 
 
-@torch.library.custom_op("nsa::select_topn", mutates_args=())
+def _select_fake(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None, q_start=0, q_start_odd=None):
+    B, T, HQ, _ = q.shape
+    return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
+                                                                                      dtype=torch.float32)
+
+
+@triton_common.kernel_op("nsa::select_topn", _select_fake)
 def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_block: int, n_selected: int,
                 scale: float, doc_start: Tensor | None = None, q_start: int = 0,
                 q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
@@ -188,12 +200,5 @@ def select_topn(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_
     q_start_odd: in odd batch rows, if it differs.
     """
     idx, entropy, _ = _select(q, k, lse, block, stride, sel_block, n_selected, scale, False, doc_start, q_start,
-                              q_start_odd)
+                              q_start_odd, launch=triton_common.op_launch)
     return idx, entropy
-
-
-@select_topn.register_fake
-def _(q, k, lse, block, stride, sel_block, n_selected, scale, doc_start=None, q_start=0, q_start_odd=None):
-    B, T, HQ, _ = q.shape
-    return q.new_empty((B, k.shape[2], T, n_selected), dtype=torch.int64), q.new_empty((B, T, HQ),
-                                                                                      dtype=torch.float32)
