@@ -25,7 +25,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_op(name: str, fake: Callable) -> Callable[[Callable], torch.library.CustomOpDef]:
-    """Register `fn` (torch ops and `torch.library.wrap_triton(kernel)[grid](...)` launches only) as the operator
+    """Register `fn` (torch ops and `op_launch(kernel)[grid](...)` launches only) as the operator
     `name`. Compiled, a `torch.library.triton_op`: inductor traces the body and launches the kernels itself, so a
     call costs no custom-op dispatch, no Python and no Triton JIT launch at run time (what bounds a step without CUDA
     graphs: FSDP2, `compile.mode = "default"`). Under the interpreter a plain custom op with `fake` (the interpreter's
