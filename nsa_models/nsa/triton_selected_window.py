@@ -339,6 +339,16 @@ def _bwd_fake(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, b
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _bwd_inputs(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor,
+                lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
+    """The backward's inputs, contiguous: q, k, v, bits, and the branches' gradients and statistics as the dQ and
+    dK/dV launchers (Triton's and Gluon's) take them."""
+    q, k, v, bits = (x.contiguous() for x in (q, k, v, bits))
+    grads = dict(do_slc=do_slc.contiguous(), do_win=do_win.contiguous(), lse_slc=lse_slc.contiguous(),
+                 lse_win=lse_win.contiguous(), delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
+    return q, k, v, bits, grads
+
+
 @triton_common.kernel_op("nsa::selected_window_bwd", _bwd_fake)
 def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
                         lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
@@ -350,11 +360,8 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
     if kernels == "gluon_hopper":
         return gluon_selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
                                          doc_start, window, scale)
-    q, k, v, do_slc, do_win = (x.contiguous() for x in (q, k, v, do_slc, do_win))
-    bits = bits.contiguous()
+    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
-                 delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
     triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq,
                   launch=triton_common.op_launch)
     triton_bwd_dkdv(q, k, v, bits, doc_start, block_size, window, scale, **grads, dk=dk, dv=dv,
@@ -369,10 +376,8 @@ def gluon_selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tens
     """`selected_window_bwd` through the Gluon kernels: an opaque custom op (inductor cannot launch Gluon kernels)."""
     from nsa_models.nsa import gluon_selected_window as gluon  # only here: CPU runs never load Gluon
 
-    q, k, v, do_slc, do_win, bits = (x.contiguous() for x in (q, k, v, do_slc, do_win, bits))
+    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
-                 delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
     gluon.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
     gluon.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
     return dq, dk, dv
