@@ -114,26 +114,34 @@ def _window_step_masks(t, pos, doc, W, DOC_MASK: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(Q, BITS, DOC, T, W, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, DOC_MASK: tl.constexpr):
-    """This program's query tile (grid: query tiles x batch * KV heads): positions, row offsets, which exist, the
-    q / row masks, q, each row's bitmask and document start, the batch and KV head, head-dim lanes and their
-    validity, the first key step any row sees (its document's), the first of any row's window and the last."""
+def _query_tile(T, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr):
+    """This program's query tile (grid: query tiles x batch * KV heads): the tile, batch * KV head, batch, KV head,
+    the rows' positions, offsets and which exist, head-dim lanes, their validity and the q / row mask. It reads no
+    tensor: inductor's analysis of which tensors a kernel writes (`triton_common.kernel_op`) counts every tensor
+    that reaches a call whose results address a store, and would copy those before each launch."""
     tile = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     t, rows, row_ok = _rows(tile, b, h, T, H, G, QT, BM)
     d = tl.arange(0, BD)
     d_ok = d < D
-    qd_mask = row_ok[:, None] & d_ok[None, :]
+    return tile, bh, b, h, t, rows, row_ok, d, d_ok, row_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _tile_inputs(Q, BITS, DOC, tile, bh, b, t, rows, row_ok, qd_mask, d, T, W, D: tl.constexpr, QT: tl.constexpr,
+                 BN: tl.constexpr, DOC_MASK: tl.constexpr):
+    """What a query tile (`_query_tile`) reads: q, each row's bitmask and document start, the first key step any
+    row sees (its document's), the first of any row's window and the last."""
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
     first = tile * QT
     last = tl.minimum(first + QT, T) - 1
     # No row sees a key before its document's start, and the tile's first query has the earliest one.
     doc_first = tl.load(DOC + b * T + first).to(tl.int64) if DOC_MASK else first * 0
-    return (t, rows, row_ok, qd_mask, q, word, _doc_starts(DOC, b, t, row_ok, T, DOC_MASK), b, h, d, d_ok,
-            doc_first // BN, tl.maximum(first - W + 1, doc_first) // BN, last // BN)
+    return (q, word, _doc_starts(DOC, b, t, row_ok, T, DOC_MASK), doc_first // BN,
+            tl.maximum(first - W + 1, doc_first) // BN, last // BN)
 
 
 @triton.jit(do_not_specialize=["T", "W"])
@@ -142,8 +150,9 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
                 BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                 DOC_MASK: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 when inductor launches it (`triton_common.kernel_op`)
-    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
-        Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    tile, bh, b, h, t, rows, row_ok, d, d_ok, qd_mask = _query_tile(T, H, G, D, QT, BM, BD)
+    q, word, doc, doc_step, win_step, last_step = _tile_inputs(Q, BITS, DOC, tile, bh, b, t, rows, row_ok, qd_mask,
+                                                               d, T, W, D, QT, BN, DOC_MASK)
     K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     u = tl.arange(0, BN)
     m_s = tl.full([BM], float("-inf"), tl.float32)
@@ -184,8 +193,9 @@ def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_S
                    QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, DOC_MASK: tl.constexpr):
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
-    t, rows, row_ok, qd_mask, q, word, doc, b, h, d, d_ok, doc_step, win_step, last_step = _query_tile(
-        Q, BITS, DOC, T, W, H, G, D, QT, BM, BN, BD, DOC_MASK)
+    tile, bh, b, h, t, rows, row_ok, d, d_ok, qd_mask = _query_tile(T, H, G, D, QT, BM, BD)
+    q, word, doc, doc_step, win_step, last_step = _tile_inputs(Q, BITS, DOC, tile, bh, b, t, rows, row_ok, qd_mask,
+                                                               d, T, W, D, QT, BN, DOC_MASK)
     K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     u = tl.arange(0, BN)
     do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
