@@ -166,9 +166,8 @@ def _separate_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Block
 
 
 def _fused_branches(q: Tensor, k: Tensor, v: Tensor, idx: Tensor) -> Tensor:
-    o_slc, o_win = selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size,
-                                             kernels=NSA.selected_kernels)
-    return o_slc + o_win
+    return selected_window_attention(q, k, v, q.new_ones(*q.shape[:3], 2), idx, NSA.sel_block_size,
+                                     NSA.window_size, kernels=NSA.selected_kernels)
 
 
 compiled_separate = torch.compile(_separate_branches, fullgraph=True, dynamic=False)
@@ -242,8 +241,7 @@ def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | st
     if NSA.window_backend == "fused_with_selected":
         idx = random_block_indices(q.shape[0], k.shape[2], q.shape[1], NSA.n_selected, NSA.sel_block_size, q.device)
         rows.append(("selected + window 512 (fused), both outputs summed", *time_ms(
-            lambda: sum(selected_window_attention(q, k, v, idx, NSA.sel_block_size, NSA.window_size,
-                                                  kernels=NSA.selected_kernels)), [q, k, v])))
+            lambda: _fused_branches(q, k, v, idx), [q, k, v])))
     else:
         rows += selected_rows(q, k, v)
         rows.append((f"window 512 ({NSA.window_backend})",

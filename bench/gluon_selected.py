@@ -46,6 +46,7 @@ from nsa_models.nsa.triton_selected import (  # noqa: E402
 )
 from nsa_models.nsa.triton_selected_window import (  # noqa: E402
     chosen_bits,
+    gated_lse,
     triton_bwd_dkdv,
     triton_bwd_dq,
     triton_fwd,
@@ -245,14 +246,16 @@ FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
 
 
 def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float, float]]:
-    """(kernel, Triton ms, Gluon ms, GFLOP as the kernels walk it, the largest difference of Gluon's outputs from
-    Triton's relative to their largest value) of one shape's fused forward, dQ and dK/dV kernels: per (row, key) of
-    the causal prefix 2 * D FLOPs a product, the window's keys one more (P V, dO v^T) or two (dK/dV: dO_w v^T and
-    P_w^T dO_w)."""
+    """(kernel, Triton ms, Gluon ms, GFLOP, the largest difference of Gluon's outputs from Triton's relative to their
+    largest value) of one shape's fused forward, dQ and dK/dV kernels, the backward for a random dO of the gated
+    output and random gates. GFLOP as the Triton kernels walk it: per (row, key) of the causal prefix 2 * D FLOPs a
+    product, and in the forward the window's keys one more (P_w V); the Gluon backward also runs dO_w v^T (and in
+    dK/dV P_w^T dO_w) a window key."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    gates = torch.rand(*q.shape[:3], 2, device="cuda", generator=gen)
     bits = chosen_bits(random_block_indices(B, H, T, N_SEL, BS, "cuda"))
     scale = D**-0.5
 
@@ -267,9 +270,10 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
 
     out_t, out_g = fwd_outputs(), fwd_outputs()
     triton_fwd(q, k, v, bits, None, BS, window, scale, **out_t)
-    grads = dict(do_slc=do_slc, do_win=do_win, lse_slc=out_t["lse_slc"], lse_win=out_t["lse_win"],
-                 delta_slc=(out_t["o_slc"].float() * do_slc.float()).sum(-1),
-                 delta_win=(out_t["o_win"].float() * do_win.float()).sum(-1))
+    grads = dict(do=do, lse_slc=gated_lse(out_t["lse_slc"], gates[..., 0]),
+                 lse_win=gated_lse(out_t["lse_win"], gates[..., 1]),
+                 delta_slc=(out_t["o_slc"].float() * do.float()).sum(-1),
+                 delta_win=(out_t["o_win"].float() * do.float()).sum(-1))
     dq_t, dq_g = torch.empty_like(q), torch.full_like(q, float("nan"))
     dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
     dk_g, dv_g = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
@@ -282,10 +286,10 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
              lambda: gluon_fwd(q, k, v, bits, None, window, scale, **out_g), out_t, out_g, 2 * pairs[0] + pairs[1]),
             ("dQ", lambda: triton_bwd_dq(q, k, v, bits, None, BS, window, scale, **grads, dq=dq_t),
              lambda: gluon_bwd_dq(q, k, v, bits, None, window, scale, **grads, dq=dq_g), dict(dq=dq_t),
-             dict(dq=dq_g), 3 * pairs[0] + pairs[1]),
+             dict(dq=dq_g), 3 * pairs[0]),
             ("dK/dV", lambda: triton_bwd_dkdv(q, k, v, bits, None, BS, window, scale, **grads, dk=dk_t, dv=dv_t),
              lambda: gluon_bwd_dkdv(q, k, v, bits, None, window, scale, **grads, dk=dk_g, dv=dv_g),
-             dict(dk=dk_t, dv=dv_t), dict(dk=dk_g, dv=dv_g), 4 * pairs[0] + 2 * pairs[1])]:
+             dict(dk=dk_t, dv=dv_t), dict(dk=dk_g, dv=dv_g), 4 * pairs[0])]:
         run_triton()
         run_gluon()
         rows.append((kernel, bench(run_triton), bench(run_gluon), 2 * D * flops / 1e9, rel(got, want)))

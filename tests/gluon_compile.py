@@ -122,7 +122,7 @@ FUSED_CASES = [  # name, H (KV heads), G, D, T, documents
 
 
 def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> tuple[tuple, tuple, tuple, tuple]:
-    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward, `selected_window_fwd` the Triton one, and
+    """The (args, kwargs) `gluon_fwd` gives the Gluon fused forward, `triton_fwd` the Triton one, and
     `gluon_bwd_dq` / `gluon_bwd_dkdv` the Gluon backward kernels, for bf16 CPU tensors of this shape (one batch
     row, the window of nsa-125m: 512)."""
     q = torch.zeros(1, T, H * G, D, dtype=torch.bfloat16)
@@ -132,12 +132,12 @@ def recorded_fused_launches(H: int, G: int, D: int, T: int, documents: bool) -> 
     lse = torch.zeros(1, T, H * G)
     gluon_launch = record("_fwd_kernel", lambda: gluon_selected_window.gluon_fwd(
         q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse), gluon_selected_window)
-    triton_launch = record("_fwd_kernel", lambda: triton_selected_window.selected_window_fwd(
-        q, k, v, bits, doc, BS, 512, D**-0.5), triton_selected_window)
+    triton_launch = record("_fwd_kernel", lambda: triton_selected_window.triton_fwd(
+        q, k, v, bits, doc, BS, 512, D**-0.5, o_slc=q, o_win=q, lse_slc=lse, lse_win=lse), triton_selected_window)
     dq_launch = record("_bwd_dq_kernel", lambda: gluon_selected_window.gluon_bwd_dq(
-        q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse, lse, lse, q), gluon_selected_window)
+        q, k, v, bits, doc, 512, D**-0.5, q, lse, lse, lse, lse, q), gluon_selected_window)
     dkdv_launch = record("_bwd_dkdv_kernel", lambda: gluon_selected_window.gluon_bwd_dkdv(
-        q, k, v, bits, doc, 512, D**-0.5, q, q, lse, lse, lse, lse, k, k), gluon_selected_window)
+        q, k, v, bits, doc, 512, D**-0.5, q, lse, lse, lse, lse, k, k), gluon_selected_window)
     return gluon_launch, triton_launch, dq_launch, dkdv_launch
 
 
@@ -153,9 +153,9 @@ def recorded_window_launches(H: int, G: int, D: int, T: int, documents: bool) ->
         ("window forward", "_fwd_kernel", record("_fwd_kernel", lambda: g.gluon_fwd(
             q, k, v, None, doc, 512, D**-0.5, None, q, None, lse), g)),
         ("window dQ", "_bwd_dq_kernel", record("_bwd_dq_kernel", lambda: g.gluon_bwd_dq(
-            q, k, v, None, doc, 512, D**-0.5, None, q, None, lse, None, lse, q), g)),
+            q, k, v, None, doc, 512, D**-0.5, q, None, lse, None, lse, q), g)),
         ("window dK/dV", "_bwd_dkdv_kernel", record("_bwd_dkdv_kernel", lambda: g.gluon_bwd_dkdv(
-            q, k, v, None, doc, 512, D**-0.5, None, q, None, lse, None, lse, k, k), g)),
+            q, k, v, None, doc, 512, D**-0.5, q, None, lse, None, lse, k, k), g)),
     ]
 
 

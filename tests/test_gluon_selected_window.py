@@ -2,9 +2,9 @@
 and dK/dV; with and without the selected branch) on a Hopper GPU, against the Triton fused kernels run in fp32 on
 the same inputs (the oracle: tests/test_triton_selected_window.py checks them against the reference backend), with
 random bf16 inputs and random valid block choices. Forward: both outputs within 1e-2 relative error, both log-sum-
-exps within 1e-2 where finite and -inf in the same rows; dQ, dK and dV (from the fp32 forward's lse and delta,
-random dO of each branch): within 1e-2 relative error. The Triton bf16 kernels are held to the same bounds, so a
-failure names the kernel that moved.
+exps within 1e-2 where finite and -inf in the same rows; dQ, dK and dV (from the fp32 forward's lse and delta, a
+random dO of the gated output and random gates, through the branches' gated lse): within 1e-2 relative error. The
+Triton bf16 kernels are held to the same bounds, so a failure names the kernel that moved.
 
 Model level: one nsa-125m and one nsa-1b block at 2k with `window_backend = "fused_with_selected"`,
 `selected_kernels = "gluon_hopper"` (the Gluon dK/dV launched) against "triton", and with `window_backend =
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from bench.attention import random_block_indices
 from nsa_models.nsa import gluon_selected_window
-from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
+from nsa_models.nsa.triton_selected_window import chosen_bits, gated_lse, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
 from tests.helpers import one_block_run, rel_err
 
 pytestmark = [
@@ -69,6 +69,11 @@ def _with_block_size(triton_launch):
     return lambda *args, **tensors: triton_launch(*args[:5], BS, *args[5:], **tensors)
 
 
+def _triton_forward(q, k, v, bits, doc, window, scale, o_slc, o_win, lse_slc, lse_win):
+    """The Triton forward called as the Gluon one is: the branches' outputs (its gated output aside)."""
+    triton_fwd(q, k, v, bits, doc, BS, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc, lse_win=lse_win)
+
+
 def _window_only_forward(q, k, v, bits, doc, window, scale, o_slc, o_win, lse_slc, lse_win):
     """The Gluon forward without the selected branch (bits None, as `window_sweep_fwd` launches it); the selected
     outputs left as they were (NaN)."""
@@ -80,7 +85,7 @@ def _window_only_forward(q, k, v, bits, doc, window, scale, o_slc, o_win, lse_sl
 def test_gluon_fused_forward_matches_fp32(B: int, T: int, H: int, G: int, D: int, window: int, documents: bool,
                                           selected: bool):
     q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
-    triton_launch = _with_block_size(triton_fwd)
+    triton_launch = _triton_forward
     names = ["o_slc", "o_win", "lse_slc", "lse_win"]
     want = dict(zip(names, _forward(triton_launch, q.float(), k.float(), v.float(), bits, doc, window)))
     gluon = gluon_selected_window.gluon_fwd if selected else _window_only_forward
@@ -109,33 +114,32 @@ def test_gluon_fused_backward_matches_fp32(B: int, T: int, H: int, G: int, D: in
                                            selected: bool):
     """Window-only (bits None): the oracle is the fused backward with no selected-branch gradient."""
     q, k, v, bits, doc = _inputs(B, T, H, G, D, documents)
-    o_slc, o_win, lse_slc, lse_win = _forward(_with_block_size(triton_fwd), q.float(), k.float(), v.float(), bits,
-                                              doc, window)
+    o_slc, o_win, lse_slc, lse_win = _forward(_triton_forward, q.float(), k.float(), v.float(), bits, doc, window)
     gen = torch.Generator("cuda").manual_seed(1)
-    do_slc, do_win = (torch.randn(q.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    gates = torch.rand(*q.shape[:3], 2, device="cuda", generator=gen)
     if not selected:
-        do_slc = torch.zeros_like(do_slc)
-    delta_slc, delta_win = ((o * do.float()).sum(-1) for o, do in ((o_slc, do_slc), (o_win, do_win)))
-    stats = dict(lse_slc=lse_slc, lse_win=lse_win, delta_slc=delta_slc, delta_win=delta_win)
+        gates[..., 0] = 0
+    stats = dict(lse_slc=gated_lse(lse_slc, gates[..., 0]), lse_win=gated_lse(lse_win, gates[..., 1]),
+                 delta_slc=(o_slc * do.float()).sum(-1), delta_win=(o_win * do.float()).sum(-1))
     scale = D ** -0.5
 
-    def grads_of(dq_launch, dkdv_launch, q, k, v, do_slc, do_win):
+    def grads_of(dq_launch, dkdv_launch, q, k, v, do):
         dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
         inputs = (q, k, v, bits, doc, window, scale)
-        dq_launch(*inputs, do_slc=do_slc, do_win=do_win, dq=dq, **stats)
-        dkdv_launch(*inputs, do_slc=do_slc, do_win=do_win, dk=dk, dv=dv, **stats)
+        dq_launch(*inputs, do=do, dq=dq, **stats)
+        dkdv_launch(*inputs, do=do, dk=dk, dv=dv, **stats)
         return dq, dk, dv
 
     triton_launches = _with_block_size(triton_bwd_dq), _with_block_size(triton_bwd_dkdv)
-    want = grads_of(*triton_launches, q.float(), k.float(), v.float(), do_slc.float(), do_win.float())
+    want = grads_of(*triton_launches, q.float(), k.float(), v.float(), do.float())
     gluon_launches = gluon_selected_window.gluon_bwd_dq, gluon_selected_window.gluon_bwd_dkdv
     if not selected:  # as `window_sweep_bwd` launches them
         gluon_launches = tuple(
-            lambda q, k, v, bits, doc, window, scale, do_slc, lse_slc, delta_slc, _launch=launch, **rest: _launch(
-                q, k, v, None, doc, window, scale, do_slc=None, lse_slc=None, delta_slc=None, **rest)
+            lambda q, k, v, bits, doc, window, scale, lse_slc, delta_slc, _launch=launch, **rest: _launch(
+                q, k, v, None, doc, window, scale, lse_slc=None, delta_slc=None, **rest)
             for launch in gluon_launches)
-    got = {"gluon": grads_of(*gluon_launches, q, k, v, do_slc, do_win),
-           "triton bf16": grads_of(*triton_launches, q, k, v, do_slc, do_win)}
+    got = {"gluon": grads_of(*gluon_launches, q, k, v, do), "triton bf16": grads_of(*triton_launches, q, k, v, do)}
     torch.cuda.synchronize()
     for kernel, grads in got.items():
         for name, x, w in zip(["dq", "dk", "dv"], grads, want):

@@ -48,17 +48,36 @@ def random_indices(B: int, H: int, T: int, n: int, doc: torch.Tensor, gen: torch
     return idx
 
 
-def reference_branches(q, k, v, idx, window, doc):
-    """The reference's selected and window outputs: gates (0, 1, 0) and (0, 0, 1), no compressed block."""
+def reference_gated(q, k, v, gates, idx, window, doc):
+    """The reference's g_slc o_slc + g_win o_win (gates [B, T, HQ, 2]): no compressed block, its gate 0."""
     B, T, HQ, D = q.shape
     empty = q.new_zeros(B, 0, k.shape[2], D)
     args = NSAArgs(cmp_block_size=BS, cmp_stride=BS, sel_block_size=BS, n_selected=idx.shape[-1], window_size=window)
-    outs = []
-    for branch in (1, 2):
-        gates = torch.zeros(B, T, HQ, 3, dtype=q.dtype)
-        gates[..., branch] = 1
-        outs.append(nsa_reference(q, k, v, k, v, empty, empty, gates, args, idx, doc_start=doc)[0])
-    return outs
+    gates = torch.cat([torch.zeros_like(gates[..., :1]), gates], -1)
+    return nsa_reference(q, k, v, k, v, empty, empty, gates, args, idx, doc_start=doc)[0]
+
+
+def random_inputs(B: int, T: int, H: int, G: int, D: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """fp64 q, k, v and gates [B, T, HQ, 2] in (0, 1), requiring grad."""
+    q = torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2
+    k, v = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    gates = torch.rand(B, T, H * G, 2, generator=gen, dtype=torch.float64)
+    return [x.requires_grad_() for x in (q, k, v, gates)]
+
+
+def assert_matches_reference(inputs: list[torch.Tensor], idx, window, doc, gen, bound: float = 1e-5) -> None:
+    """The fused op in fp32 against the reference in fp64 on the same inputs: the output and the gradients of q,
+    k, v and the gates for a random cotangent."""
+    want = reference_gated(*inputs, idx, window, doc)
+    leaves = [x.detach().float().requires_grad_() for x in inputs]
+    q, k, v, gates = leaves
+    got = selected_window_attention(q, k, v, gates, idx, BS, window, doc_start=doc)
+    assert rel_err(got, want) <= bound, f"o: rel err {rel_err(got, want):.2e}"
+    cot = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((got * cot.float()).sum(), leaves)
+    want_grads = torch.autograd.grad((want * cot).sum(), inputs)
+    for name, g, w in zip(["q", "k", "v", "gates"], grads, want_grads):
+        assert rel_err(g, w) <= bound, f"d{name}: rel err {rel_err(g, w):.2e}"
 
 
 # keys: keys a step (64: four selection blocks of the tests' l' = 16; 16: one).
@@ -78,39 +97,23 @@ def test_selected_window_matches_reference(B, T, G, D, n, window, documents, key
         monkeypatch.setitem(launch, "keys", keys)
     gen = torch.Generator().manual_seed(T * 10 + G)
     H = 2
-    q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
-    k = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
-    v = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).requires_grad_()
+    inputs = random_inputs(B, T, H, G, D, gen)
     doc = document_starts(B, T, gen) if documents else None
     idx = random_indices(B, H, T, n, doc if documents else torch.zeros(B, T, dtype=torch.int32), gen)
-    want = reference_branches(q, k, v, idx, window, doc)
-
-    qx, kx, vx = (x.detach().float().requires_grad_() for x in (q, k, v))
-    got = selected_window_attention(qx, kx, vx, idx, BS, window, doc_start=doc)
-    for name, g, w in zip(("o_slc", "o_win"), got, want):
-        assert rel_err(g, w) <= 1e-5, f"{name}: rel err {rel_err(g, w):.2e}"
-    cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
-    grads = torch.autograd.grad(sum((g * c.float()).sum() for g, c in zip(got, cots)), (qx, kx, vx))
-    want_grads = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cots)), (q, k, v))
-    for name, g, w in zip("qkv", grads, want_grads):
-        assert rel_err(g, w) <= 1e-5, f"d{name}: rel err {rel_err(g, w):.2e}"
+    assert_matches_reference(inputs, idx, window, doc, gen)
 
 
-def test_one_branch_gradient_alone():
-    """A cotangent on one branch only: the other branch's terms must add nothing to dQ, dK and dV."""
+@pytest.mark.parametrize("zero", [0, 1], ids=["selected gate 0", "window gate 0"])
+def test_a_zero_gate_adds_nothing(zero: int):
+    """A branch whose gate is 0 (everywhere) must add nothing to the output, dQ, dK and dV, and still receive its
+    gate's gradient."""
     gen = torch.Generator().manual_seed(1)
     B, T, H, G, D, window = 1, 40, 1, 2, 16, 12
-    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=torch.float64).requires_grad_()
-               for h in (H * G, H, H))
+    inputs = random_inputs(B, T, H, G, D, gen)
+    with torch.no_grad():
+        inputs[3][..., zero] = 0
     idx = random_indices(B, H, T, 3, torch.zeros(B, T, dtype=torch.int32), gen)
-    want = reference_branches(q, k, v, idx, window, None)
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    got = selected_window_attention(q32, k32, v32, idx, BS, window)
-    for branch in (0, 1):
-        grads = torch.autograd.grad(got[branch].sum(), (q32, k32, v32), retain_graph=True)
-        want_grads = torch.autograd.grad(want[branch].sum(), (q, k, v), retain_graph=True)
-        for name, g, w in zip("qkv", grads, want_grads):
-            assert rel_err(g, w) <= 1e-4, f"branch {branch} d{name}: rel err {rel_err(g, w):.2e}"
+    assert_matches_reference(inputs, idx, window, None, gen, bound=1e-4)
 
 
 def test_chosen_bits_mark_exactly_the_chosen_blocks():
@@ -167,7 +170,9 @@ def test_refusals():
     T = MAX_FUSED_BLOCKS * BS + 1
     with pytest.raises(ValueError, match="window_backend to 'flex'"):
         selected_window_attention(torch.zeros(1, T, 1, 16), torch.zeros(1, T, 1, 16), torch.zeros(1, T, 1, 16),
-                                  torch.zeros(1, 1, T, 3, dtype=torch.int64), BS, 8)
+                                  torch.zeros(1, T, 1, 2), torch.zeros(1, 1, T, 3, dtype=torch.int64), BS, 8)
+    with pytest.raises(ValueError, match=r"gates must be \[B, T, HQ, 2\]"):
+        selected_window_attention(x, k, k, torch.zeros(1, 8, 2, 3), torch.zeros(1, 1, 8, 3, dtype=torch.int64), BS, 8)
     for nsa, key in [(NSAArgs(backend="triton", window_backend="fused_with_selected", separate_kv=True),
                       "separate_kv = false"),
                      (NSAArgs(backend="triton", window_backend="fused_with_selected"), "lower model.max_seq_len")]:
@@ -177,43 +182,55 @@ def test_refusals():
               max_seq_len=64 * MAX_FUSED_BLOCKS).validate()
 
 
+def no_choice(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Bits of no chosen block for every query (the window-only launches' stand-in for bits None)."""
+    return torch.zeros(q.shape[0], k.shape[2], q.shape[1], dtype=torch.int64)
+
+
+def triton_as_gluon_bwd(name: str, triton_launch, calls: list):
+    """A stand-in for a Gluon backward launch (CPU): recorded, then run as the Triton launch on the same arguments
+    and the block size; bits None (the window alone) as no block chosen and the selected branch's gate 0 (its gated
+    lse +inf)."""
+    def launch(q, k, v, bits, doc_start, window, scale, do, lse_slc, lse_win, delta_slc, delta_win, **outs):
+        window_only = bits is None
+        calls.append((name, q.shape, None if window_only else bits.shape, doc_start is not None, window, scale,
+                      sorted(outs), window_only and lse_slc is None and delta_slc is None))
+        if window_only:
+            bits, lse_slc, delta_slc = no_choice(q, k), torch.full_like(lse_win, float("inf")), delta_win
+        triton_launch(q, k, v, bits, doc_start, BS, window, scale, do=do, lse_slc=lse_slc, lse_win=lse_win,
+                      delta_slc=delta_slc, delta_win=delta_win, **outs)
+    return launch
+
+
 @pytest.mark.parametrize("documents", [False, True])
 def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
     """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused dQ and dK/dV are `gluon_selected_window.
     gluon_bwd_dq`'s and `gluon_bwd_dkdv`'s, each given what the Triton launch gets but the block size (the Gluon
     kernels' is 64) and writing the same outputs; the forward stays Triton's (the Gluon one measured slower,
     docs/KERNELS.md). Here (CPU) a Gluon launch is a recording stand-in that runs the Triton one on those arguments,
-    so the outputs and gradients are the default path's, bit for bit; the Gluon kernels themselves run in
+    so the output and gradients are the default path's, bit for bit; the Gluon kernels themselves run in
     tests/test_gluon_selected_window.py (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
-
-    def stand_in(name, triton_launch):
-        def launch(q, k, v, bits, doc_start, window, scale, **tensors):
-            calls.append((name, q.shape, bits.shape, doc_start is not None, window, scale, sorted(tensors)))
-            triton_launch(q, k, v, bits, doc_start, BS, window, scale, **tensors)
-        return launch
-
-    for name, triton_launch in [("fwd", sw.triton_fwd), ("dq", sw.triton_bwd_dq), ("dkdv", sw.triton_bwd_dkdv)]:
-        monkeypatch.setattr(gluon_selected_window, f"gluon_{'bwd_' if name != 'fwd' else ''}{name}",
-                            stand_in(name, triton_launch))
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", lambda *a, **kw: calls.append("fwd"))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", triton_as_gluon_bwd("dq", sw.triton_bwd_dq, calls))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv",
+                        triton_as_gluon_bwd("dkdv", sw.triton_bwd_dkdv, calls))
     B, T, H, G, D, n, window = 1, 70, 2, 3, 16, 4, 24
     gen = torch.Generator().manual_seed(3)
     doc = document_starts(B, T, gen) if documents else None
-    q = torch.randn(B, T, H * G, D, generator=gen)
-    k, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    inputs = [x.detach().float() for x in random_inputs(B, T, H, G, D, gen)]
     idx = random_indices(B, H, T, n, doc if documents else torch.zeros(B, T, dtype=torch.int32), gen)
-    cot = torch.randn(2, B, T, H * G, D, generator=gen)
+    cot = torch.randn(B, T, H * G, D, generator=gen)
     results = {}
     for kernels in ("triton", "gluon_hopper"):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        o_slc, o_win = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
-        results[kernels] = [o_slc, o_win, *torch.autograd.grad((o_slc * cot[0] + o_win * cot[1]).sum(), leaves)]
-    shapes = (q.shape, (B, H, T), documents, window, D ** -0.5)
-    stats = ["delta_slc", "delta_win", "do_slc", "do_win", "lse_slc", "lse_win"]
-    assert calls == [("dq", *shapes, sorted(stats + ["dq"])), ("dkdv", *shapes, sorted(stats + ["dk", "dv"]))]
-    for name, want, got in zip(["o_slc", "o_win", "dq", "dk", "dv"], results["triton"], results["gluon_hopper"]):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
+        results[kernels] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
+    shapes = (inputs[0].shape, (B, H, T), documents, window, D ** -0.5)
+    assert calls == [("dq", *shapes, ["dq"], False), ("dkdv", *shapes, ["dk", "dv"], False)]
+    for name, want, got in zip(["o", "dq", "dk", "dv", "dgates"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
 
 
@@ -221,33 +238,22 @@ def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents
 def test_window_sweep_op_matches_the_sdpa_window(documents: bool, monkeypatch):
     """window_backend = "gluon_hopper" (`window_attention` -> `window_sweep_attention`): the op's forward,
     autograd and launches, with the Gluon kernels (Hopper only) replaced by stand-ins that run the Triton sweep on
-    the same arguments with no block chosen and no selected-branch gradient (so only the window's terms remain),
+    the same arguments with no block chosen and the selected branch's gate 0 (so only the window's terms remain),
     against the masked-SDPA window. The Gluon kernels themselves: tests/test_gluon_selected_window.py."""
     from nsa_models.nsa import gluon_selected_window
     from nsa_models.nsa.triton_backend import window_attention
 
     calls = []
 
-    def no_choice(q, k):
-        return torch.zeros(q.shape[0], k.shape[2], q.shape[1], dtype=torch.int64)
-
     def fwd(q, k, v, bits, doc_start, window, scale, o_slc, o_win, lse_slc, lse_win):
-        calls.append(("fwd", bits, o_slc, lse_slc))
+        calls.append(("fwd", bits is None and o_slc is None and lse_slc is None))
         sw.triton_fwd(q, k, v, no_choice(q, k), doc_start, BS, window, scale, o_slc=torch.empty_like(o_win),
                       o_win=o_win, lse_slc=torch.empty_like(lse_win), lse_win=lse_win)
 
-    def bwd(name, triton_launch):
-        def launch(q, k, v, bits, doc_start, window, scale, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win,
-                   **grads):
-            calls.append((name, bits, do_slc, lse_slc, delta_slc))
-            triton_launch(q, k, v, no_choice(q, k), doc_start, BS, window, scale, do_slc=torch.zeros_like(do_win),
-                          do_win=do_win, lse_slc=torch.zeros_like(lse_win), lse_win=lse_win,
-                          delta_slc=torch.zeros_like(delta_win), delta_win=delta_win, **grads)
-        return launch
-
     monkeypatch.setattr(gluon_selected_window, "gluon_fwd", fwd)
-    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", bwd("dq", sw.triton_bwd_dq))
-    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv", bwd("dkdv", sw.triton_bwd_dkdv))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", triton_as_gluon_bwd("dq", sw.triton_bwd_dq, calls))
+    monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv",
+                        triton_as_gluon_bwd("dkdv", sw.triton_bwd_dkdv, calls))
     B, T, H, G, D, window = 2, 70, 2, 3, 16, 24
     gen = torch.Generator().manual_seed(5)
     doc = document_starts(B, T, gen) if documents else None
@@ -261,7 +267,7 @@ def test_window_sweep_op_matches_the_sdpa_window(documents: bool, monkeypatch):
         out = window_attention(*leaves, args, doc_start=doc)
         results[backend] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
     assert [c[0] for c in calls] == ["fwd", "dq", "dkdv"]
-    assert all(x is None for c in calls for x in c[1:]), "the window-only launches get no selected-branch tensors"
+    assert all(c[-1] for c in calls), "the window-only launches get no selected-branch tensors"
     for name, want, got in zip(["out", "dq", "dk", "dv"], results["sdpa"], results["gluon_hopper"]):
         assert rel_err(got, want) < 1e-5, name
 

@@ -16,12 +16,13 @@ query there: no causal compare a key); the window's steps feed both, from one S.
 
 dK/dV: one program per 64 keys walks the query tiles that see them (q and dO rows gathered by cp.async three tiles
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
-split the columns.
+split the columns. The backward takes the gated output's dO and each branch's gated lse (`triton_selected_window.
+gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per tile for both branches.
 
 Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
-"gluon_hopper"`, the dQ and dK/dV kernels; the forward stays Triton's (this one measures 0.97-1.01x as fast on an
-H200). All three without the selected branch as
-`window_backend = "gluon_hopper"`. `bench/gluon_selected.py fused` times them against Triton's.
+"gluon_hopper"`, the dQ and dK/dV kernels; the forward stays Triton's (this one measures 0.97-1.01x as fast at head
+dim 64 on an H200). All three without the selected branch as `window_backend = "gluon_hopper"`.
+`bench/gluon_selected.py fused` times them against Triton's.
 
 With packed documents a tile walks from its first query's document start, and a dK/dV program stops at the end of
 its keys' documents (`document_query_ends`): the selection chooses blocks inside the query's document.
@@ -321,14 +322,14 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
 
 
 @gluon.jit(do_not_specialize=["T", "W"])
-def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W,
-                   qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr,
-                   STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W, qk_scale, scale,
+                   H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr):
     """As `triton_selected_window._bwd_dq_kernel` (grid: query tiles x batch * KV heads): dQ of a tile's rows over
-    its causal prefix, both branches' P recomputed from their lse (without SELECTED the window's alone, over the
-    window's steps). As `_fwd_kernel`: step j waits for its S and dP products together with step j - 1's dQ += dS
-    k, computes dS, and issues its own dS k from registers."""
+    its causal prefix, both branches' gated P recomputed from their gated lse, one dP = dO v^T a step for both
+    (without SELECTED the window's alone, over the window's steps). As `_fwd_kernel`: step j waits for its S and dP
+    products together with step j - 1's dQ += dS k, computes dS, and issues its own dS k from registers."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _mma_layout(BN, NUM_WARPS)
@@ -341,10 +342,7 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
     q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
-    dos_smem = q_smem
-    if SELECTED:
-        dos_smem = _rows_to_shared(DO_SLC, rows, ok, d, D, BM)
-    dow_smem = _rows_to_shared(DO_WIN, rows, ok, d, D, BM)
+    do_smem = _rows_to_shared(DO, rows, ok, d, D, BM)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -361,7 +359,7 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
     if SELECTED:  # steps before the window: the selected branch alone
         for j in range(start, win_step):
             s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
-            dp = _issue_dp(dos_smem, v_smem, j, STAGES, s_l, BM, BN)
+            dp = _issue_dp(do_smem, v_smem, j, STAGES, s_l, BM, BN)
             s, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dq))
             _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
             ds = _ds_term(s * qk_scale, dp, lse_s, delta_s, _chosen(word, j))
@@ -370,19 +368,14 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
 
     for j in range(win_step, n_steps):  # the window's steps: one dS from both branches
         s = _issue_scores(q_smem, k_smem, bars, j, start, STAGES, s_l, BM, BN)
-        dp_w = _issue_dp(dow_smem, v_smem, j, STAGES, s_l, BM, BN)
+        dp = _issue_dp(do_smem, v_smem, j, STAGES, s_l, BM, BN)
         pos = j * BN + u
-        if SELECTED:
-            dp = _issue_dp(dos_smem, v_smem, j, STAGES, s_l, BM, BN)
-            s, dp_w, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dp, dq))
-            s = s * qk_scale
-            ds = _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j, pos, st))
-        else:
-            s, dp_w, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp_w, dq))
-            s = s * qk_scale
-            ds = gl.zeros([BM, BN], gl.float32, s_l)
+        s, dp, dq = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp, dq))
+        s = s * qk_scale
         _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, STAGES, BN)
-        ds = ds + _ds_term(s, dp_w, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        ds = _ds_term(s, dp, lse_w, delta_w, _window_visible(pos, st, doc, W, DOC_MASK))
+        if SELECTED:
+            ds = ds + _ds_term(s, dp, lse_s, delta_s, _selected_visible(word, j, pos, st))
         dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_l), k_smem.index(j % STAGES), dq,
                            is_async=True)
 
@@ -394,66 +387,49 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WI
 
 
 @gluon.jit
-def _gather_tile(Q, DO_SLC, DO_WIN, q_buf, dos_buf, dow_buf, tile, b, h, T, d, H: gl.constexpr, G: gl.constexpr,
-                 D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr, SELECTED: gl.constexpr,
-                 WINDOW: gl.constexpr):
-    """One cp.async group: query tile `tile`'s q rows and each wanted branch's dO rows into a stage (zeros for rows
-    past T)."""
+def _gather_tile(Q, DO, q_buf, do_buf, tile, b, h, T, d, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                 QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr):
+    """One cp.async group: query tile `tile`'s q and dO rows into a stage (zeros for rows past T)."""
     t, ok, rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, row_l)
     offsets = rows[:, None] * D + d[None, :]
     async_copy.async_copy_global_to_shared(q_buf, Q + offsets, mask=ok[:, None])
-    if SELECTED:
-        async_copy.async_copy_global_to_shared(dos_buf, DO_SLC + offsets, mask=ok[:, None])
-    if WINDOW:
-        async_copy.async_copy_global_to_shared(dow_buf, DO_WIN + offsets, mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(do_buf, DO + offsets, mask=ok[:, None])
     async_copy.commit_group()
 
 
 @gluon.jit
-def _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H: gl.constexpr,
-                  G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr,
-                  SELECTED: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr):
+def _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                  QT: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr, STAGES: gl.constexpr):
     """Iteration i of the dK/dV walk (at query tile `tile`): gather tile + STAGES - 1 into the stage iteration
     i - 1 freed, then wait until tile + 1's rows have landed, visible to every warp's products."""
     nxt = (i + STAGES - 1) % STAGES
-    _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(nxt), dos_bufs.index(nxt), dow_bufs.index(nxt), tile + STAGES - 1,
-                 b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, WINDOW)
+    _gather_tile(Q, DO, q_bufs.index(nxt), do_bufs.index(nxt), tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
 
 
 @gluon.jit
-def _issue_tile_products(q_smem, dos_smem, dow_smem, k_smem, v_smem, s_l: gl.constexpr, BM: gl.constexpr,
-                         BN: gl.constexpr, SELECTED: gl.constexpr, WINDOW: gl.constexpr):
-    """A query tile against the key step: S = q k^T and each wanted branch's dP = dO v^T on wgmma, asynchronous
-    (a branch not wanted gets S's token in its place, unused)."""
+def _issue_tile_products(q_smem, do_smem, k_smem, v_smem, s_l: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """A query tile against the key step: S = q k^T and dP = dO v^T on wgmma, asynchronous."""
     zeros = gl.zeros([BM, BN], gl.float32, s_l)
     s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    dp = s
-    dp_w = s
-    if SELECTED:
-        dp = warpgroup_mma(dos_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    if WINDOW:
-        dp_w = warpgroup_mma(dow_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    return s, dp, dp_w
+    dp = warpgroup_mma(do_smem, v_smem.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    return s, dp
 
 
 @gluon.jit
-def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
+def _tile_ds(s, dp, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
              H: gl.constexpr, G: gl.constexpr, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
              DOC_MASK: gl.constexpr, s_l: gl.constexpr, LATER: gl.constexpr, SELECTED: gl.constexpr,
              WINDOW: gl.constexpr):
-    """Query tile `tile`'s P of each wanted branch (recomputed from its lse; 0 outside the branch's mask, for rows
-    past T, and for a branch not wanted) and dS = P_s (dP_s - delta_s) + P_w (dP_w - delta_w), [rows, keys], bf16,
-    from its issued S and dP products, waited for with the LATER products issued after them still running (the
-    rows' values load meanwhile)."""
+    """Query tile `tile`'s gated P = g_s P_s + g_w P_w of the wanted branches (each recomputed from its gated lse;
+    0 outside the branch's mask and for rows past T) and dS = g_s P_s (dP - delta_s) + g_w P_w (dP - delta_w),
+    [rows, keys], bf16, from its issued S and dP products, waited for with the LATER products issued after them
+    still running (the rows' values load meanwhile)."""
     srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
     st, s_ok, s_rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, srow_l)
     pos = kb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    p = gl.zeros([BM, BN], gl.float32, s_l)
-    p_w = p
-    ds = p
     if SELECTED:
         word = gl.load(BITS + bh * T + st, mask=s_ok, other=0)
         lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, s_rows, s_ok)
@@ -463,13 +439,10 @@ def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC
         else:
             doc = st
         lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, s_rows, s_ok)
-    if SELECTED and WINDOW:
-        s, dp, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp, dp_w))
-    elif SELECTED:
-        s, dp = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp))
-    else:
-        s, dp_w = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp_w))
+    s, dp = warpgroup_mma_wait(num_outstanding=LATER, deps=(s, dp))
     s = s * qk_scale
+    p = gl.zeros([BM, BN], gl.float32, s_l)
+    ds = p
     if SELECTED:
         if WINDOW:
             visible = _selected_visible(word, kb, pos, st)
@@ -479,22 +452,23 @@ def _tile_ds(s, dp, dp_w, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC
         ds = p * (dp - delta_s[:, None])
     if WINDOW:
         p_w = gl.where(_window_visible(pos, st, doc, W, DOC_MASK) & s_ok[:, None], gl.exp2(s - lse_w[:, None]), 0.0)
-        ds = ds + p_w * (dp_w - delta_w[:, None])
-    return p.to(gl.bfloat16), p_w.to(gl.bfloat16), ds.to(gl.bfloat16)
+        p = p + p_w
+        ds = ds + p_w * (dp - delta_w[:, None])
+    return p.to(gl.bfloat16), ds.to(gl.bfloat16)
 
 
 @gluon.jit(do_not_specialize=["T", "W"])
-def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV,
-                     T, W, qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
+def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
+                     qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, SELECTED: gl.constexpr,
                      STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """As `triton_selected_window._bwd_dkdv_kernel` (grid: key steps x batch * KV heads): dK and dV of one step of
     BN keys from the query tiles that see them, written once (without SELECTED the window's tiles alone). The
     tiles' q and dO rows arrive by cp.async three tiles deep; each iteration issues the next tile's S and dP
-    products before this tile's dV += P^T dO and dK += dS^T q, and computes the next tile's P and dS while those
-    run. S is [rows, keys] (per-row values cost two registers a thread), and P^T, dS^T are transposed views of
-    shared memory. On 8 warps the two warpgroups split the columns of S, dP, dK and dV (4 warps spilled 152-188 B
-    at D = 64)."""
+    products before this tile's dV += P^T dO and dK += dS^T q (P and dS of both branches summed: two products a
+    tile), and computes the next tile's P and dS while those run. S is [rows, keys] (per-row values cost two
+    registers a thread), and P^T, dS^T are transposed views of shared memory. On 8 warps the two warpgroups split
+    the columns of S, dP, dK and dV (4 warps spilled 152-188 B at D = 64)."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _column_split_layout(BN, NUM_WARPS)
@@ -524,26 +498,21 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC
     tma.async_copy_global_to_shared(v_desc, [row0, (h * D).to(gl.int32)], bar, v_smem)
 
     q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
-    dos_bufs = q_bufs
-    if SELECTED:
-        dos_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
-    dow_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BM, BN], p_sl)  # P_slc, P_win, dS of the tile in flight
+    do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BN], p_sl)  # P and dS of the tile in flight
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     for stage in gl.static_range(STAGES - 1):
-        _gather_tile(Q, DO_SLC, DO_WIN, q_bufs.index(stage), dos_bufs.index(stage), dow_bufs.index(stage),
-                     first + stage, b, h, T, d, H, G, D, QT, BM, row_l, SELECTED, True)
+        _gather_tile(Q, DO, q_bufs.index(stage), do_bufs.index(stage), first + stage, b, h, T, d, H, G, D, QT, BM,
+                     row_l)
     mbarrier.wait(bar, 0)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
-    s, dp, dp_w = _issue_tile_products(q_bufs.index(0), dos_bufs.index(0), dow_bufs.index(0), k_smem, v_smem, s_l,
-                                       BM, BN, SELECTED, True)
-    p, p_w, ds = _tile_ds(s, dp, dp_w, first, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
-                          DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 0, SELECTED, True)
+    s, dp = _issue_tile_products(q_bufs.index(0), do_bufs.index(0), k_smem, v_smem, s_l, BM, BN)
+    p, ds = _tile_ds(s, dp, first, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
+                     H, G, QT, BM, BN, DOC_MASK, s_l, 0, SELECTED, True)
     p_smem.index(0).store(p)
-    p_smem.index(1).store(p_w)
-    p_smem.index(2).store(ds)
+    p_smem.index(1).store(ds)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -551,42 +520,33 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC
     dv = gl.zeros([BN, D], gl.float32, o_l)
     # The window's tiles. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then tile i's
     # products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
-    LATER: gl.constexpr = 3 if SELECTED else 2  # products issued after a window tile's S and dP: dV (1-2), dK
     for tile in range(first, win_last + 1):
         i = tile - first
-        _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l,
-                      SELECTED, True, STAGES)
+        _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l, STAGES)
         cur, nx = i % STAGES, (i + 1) % STAGES
-        s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem, v_smem,
-                                           s_l, BM, BN, SELECTED, True)
-        if SELECTED:
-            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
-        dv = warpgroup_mma(p_smem.index(1).permute((1, 0)), dow_bufs.index(cur), dv, is_async=True)
-        dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-        p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                              DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, LATER, SELECTED, True)
+        s, dp = _issue_tile_products(q_bufs.index(nx), do_bufs.index(nx), k_smem, v_smem, s_l, BM, BN)
+        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), do_bufs.index(cur), dv, is_async=True)
+        dk = warpgroup_mma(p_smem.index(1).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+        p, ds = _tile_ds(s, dp, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
+                         DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, SELECTED, True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        if SELECTED:
-            p_smem.index(0).store(p)
-        p_smem.index(1).store(p_w)
-        p_smem.index(2).store(ds)
+        p_smem.index(0).store(p)
+        p_smem.index(1).store(ds)
         fence_async_shared()
         gl.thread_barrier()
     if SELECTED:  # The later tiles: the selected branch alone.
         for tile in range(win_last + 1, n_tiles):
             i = tile - first
-            _gather_ahead(Q, DO_SLC, DO_WIN, q_bufs, dos_bufs, dow_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l,
-                          True, False, STAGES)
+            _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l, STAGES)
             cur, nx = i % STAGES, (i + 1) % STAGES
-            s, dp, dp_w = _issue_tile_products(q_bufs.index(nx), dos_bufs.index(nx), dow_bufs.index(nx), k_smem,
-                                               v_smem, s_l, BM, BN, True, False)
-            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), dos_bufs.index(cur), dv, is_async=True)
-            dk = warpgroup_mma(p_smem.index(2).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-            p, p_w, ds = _tile_ds(s, dp, dp_w, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN,
-                                  DELTA_SLC, DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, True, False)
+            s, dp = _issue_tile_products(q_bufs.index(nx), do_bufs.index(nx), k_smem, v_smem, s_l, BM, BN)
+            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), do_bufs.index(cur), dv, is_async=True)
+            dk = warpgroup_mma(p_smem.index(1).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+            p, ds = _tile_ds(s, dp, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
+                             DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, True, False)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            p_smem.index(0).store(p)  # (P_w: no later tile reads it)
-            p_smem.index(2).store(ds)
+            p_smem.index(0).store(p)
+            p_smem.index(1).store(ds)
             fence_async_shared()
             gl.thread_barrier()
     async_copy.wait_group(0)  # the gathers past the last tile
@@ -647,20 +607,20 @@ def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: T
 
 
 def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: Tensor | None, window: int,
-                 scale: float, do_slc: Tensor | None, do_win: Tensor, lse_slc: Tensor | None, lse_win: Tensor,
-                 delta_slc: Tensor | None, delta_win: Tensor, dq: Tensor) -> None:
+                 scale: float, do: Tensor, lse_slc: Tensor | None, lse_win: Tensor, delta_slc: Tensor | None,
+                 delta_win: Tensor, dq: Tensor) -> None:
     """Launch the Gluon dQ kernel into dq [B, T, HQ, D], as `selected_window_bwd` launches the Triton one: the
-    forward's inputs, each branch's dO (contiguous), natural-log lse and delta [B, T, HQ] (fp32); the selected
-    branch's None with bits None (the window alone)."""
+    forward's inputs, the gated output's dO (contiguous), each branch's gated lse (`gated_lse`) and delta
+    [B, T, HQ] (fp32); the selected branch's None with bits None (the window alone)."""
     grid, meta = _launch_args(q, k, bits, doc_start)
     _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
-                         _or(do_slc, do_win), do_win, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win),
-                         delta_win, dq, q.shape[1], window, scale * LOG2E, scale, **meta)
+                         do, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dq, q.shape[1],
+                         window, scale * LOG2E, scale, **meta)
 
 
 def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: Tensor | None, window: int,
-                   scale: float, do_slc: Tensor | None, do_win: Tensor, lse_slc: Tensor | None, lse_win: Tensor,
-                   delta_slc: Tensor | None, delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
+                   scale: float, do: Tensor, lse_slc: Tensor | None, lse_win: Tensor, delta_slc: Tensor | None,
+                   delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Launch the Gluon dK/dV kernel into dk, dv [B, T, H, D] (as `gluon_bwd_dq`; one program per 64 keys and KV
     head)."""
     (_, bh), meta = _launch_args(q, k, bits, doc_start)
@@ -668,6 +628,5 @@ def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_sta
     query_ends = None if doc_start is None else document_query_ends(doc_start, _BN)
     _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](
         q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
-        _or(query_ends, lse_win), _or(do_slc, do_win),
-        do_win, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dk, dv, q.shape[1], window,
-        scale * LOG2E, scale, **meta)
+        _or(query_ends, lse_win), do, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dk,
+        dv, q.shape[1], window, scale * LOG2E, scale, **meta)

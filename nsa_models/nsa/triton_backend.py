@@ -13,7 +13,8 @@ Same contract as `nsa_reference`. Branches:
   (`"flash_attn"`), FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer) or the fused sweep's Gluon kernels
   without the selected branch (`"gluon_hopper"`, `triton_selected_window.window_sweep_attention`; Hopper); or, with
   `"fused_with_selected"`, in one sweep with the selected branch (`triton_selected_window.selected_window_attention`,
-  shared K/V; under `selected_kernels = "gluon_hopper"` its dQ and dK/dV kernels are `gluon_selected_window`'s).
+  shared K/V, the two branches' gates applied in the op; under `selected_kernels = "gluon_hopper"` its dQ and dK/dV
+  kernels are `gluon_selected_window`'s).
   FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs
   a GPU.
 
@@ -191,24 +192,25 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
                                   args.sel_block_size, args.n_selected, scale, doc_start, *query_offsets(q_start))
     block_indices = chosen if block_indices is None else block_indices
+    g = gates.to(q.dtype)
     if args.window_backend == "fused_with_selected":
         if k_win is not k_slc or v_win is not v_slc:
             raise ValueError("model.nsa.window_backend = 'fused_with_selected' needs the window's keys and values to "
                              "be the selected branch's: set model.nsa.separate_kv = false")
-        o_slc, o_win = selected_window_attention(q, k_slc, v_slc, block_indices, args.sel_block_size,
-                                                 args.window_size, scale, doc_start, args.selected_kernels)
+        # The sweep applies the selected and window gates itself (its backward shares dP and dV between them).
+        o_sw = selected_window_attention(q, k_slc, v_slc, g[..., 1:], block_indices, args.sel_block_size,
+                                         args.window_size, scale, doc_start, args.selected_kernels)
+        return g[..., 0, None] * o_cmp + o_sw, block_indices, entropy
+    o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
+    # Chosen here (not given), so rows with at most n candidates hold them all.
+    if args.selected_from_window and block_indices is chosen and k_win is k_slc and v_win is v_slc:
+        window_rows = selected_is_window(q.shape[0], q.shape[1], args, q.device, doc_start, q_start)
+        o_slc = selected_attention(q, k_slc, v_slc, chosen.masked_fill(window_rows[:, None, :, None], -1),
+                                   args.sel_block_size, scale, q_start,  # those rows: no work in the kernels
+                                   kernels=args.selected_kernels)
+        o_slc = torch.where(window_rows[:, :, None, None], o_win, o_slc)
     else:
-        o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
-        # Chosen here (not given), so rows with at most n candidates hold them all.
-        if args.selected_from_window and block_indices is chosen and k_win is k_slc and v_win is v_slc:
-            window_rows = selected_is_window(q.shape[0], q.shape[1], args, q.device, doc_start, q_start)
-            o_slc = selected_attention(q, k_slc, v_slc, chosen.masked_fill(window_rows[:, None, :, None], -1),
-                                       args.sel_block_size, scale, q_start,  # those rows: no work in the kernels
-                                       kernels=args.selected_kernels)
-            o_slc = torch.where(window_rows[:, :, None, None], o_win, o_slc)
-        else:
-            o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start,
-                                       kernels=args.selected_kernels)
-    g = gates.to(q.dtype).unsqueeze(-1)
-    out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
+        o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start,
+                                   kernels=args.selected_kernels)
+    out = g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
     return out, block_indices, entropy

@@ -16,10 +16,13 @@ at T = 2 n l' (nsa-125m's 2048 tokens) that is half of the rows, and the other h
 the whole prefix wastes little there. The work grows with T²: `MAX_FUSED_BLOCKS` (nsa_models.args) bounds where it is
 offered.
 
-Backward, no float atomics, bitwise repeatable: dK/dV by one program per (`keys` keys, batch, KV head) that walks the
-query tiles that can see them (the window's with both branches, the later ones with the selected branch alone, up to the
-end of the keys' documents: `triton_common.document_query_ends`) and writes its block's gradients once; dQ by the
-forward's tiles. No per-slot partials, no work lists.
+The op applies the two branches' gates (o = g_slc o_slc + g_win o_win, in torch after the forward kernel), so that its
+backward takes one dO for both: dP = dO Vᵀ once a step, dV += (g_slc P_slc + g_win P_win)ᵀ dO once, and dS = the sum
+over the branches of g P (dP - delta). The kernels read the gates through each branch's lse less ln(g) (`gated_lse`:
+exp of the score less it is g P). No float atomics, bitwise repeatable: dK/dV by one program per
+(`keys` keys, batch, KV head) that walks the query tiles that can see them (the window's with both branches, the later
+ones with the selected branch alone, up to the end of the keys' documents: `triton_common.document_query_ends`) and
+writes its block's gradients once; dQ by the forward's tiles. No per-slot partials, no work lists.
 """
 
 from __future__ import annotations
@@ -179,74 +182,76 @@ def _fwd_kernel(Q, K, V, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T, W, qk_sca
 
 
 @triton.jit
-def _row_grads(DO, LSE, DELTA, rows, row_ok, qd_mask, d, D: tl.constexpr):
-    """One branch's backward inputs of query rows: dO [rows, BD], lse (log2 units) and delta [rows]."""
-    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+def _row_stats(LSE, DELTA, rows, row_ok):
+    """One branch's backward terms of query rows [rows]: its gated lse (log2 units) and delta."""
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    return do, lse, delta
+    return lse, tl.load(DELTA + rows, mask=row_ok, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T", "W"])
-def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W, qk_scale,
-                   scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+def _bwd_dq_kernel(Q, K, V, BITS, DOC, DO, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DQ, T, W, qk_scale, scale,
+                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                    QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                    TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    """dQ of a query tile. The gated output's dO serves both branches: one dP = dO Vᵀ a step, and dS = sum over
+    the branches of g P (dP - delta), g P from the gated lse (`gated_lse`)."""
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     tile, bh, b, h, t, rows, row_ok, d, d_ok, qd_mask = _query_tile(T, H, G, D, QT, BM, BD)
     q, word, doc, doc_step, win_step, last_step = _tile_inputs(Q, BITS, DOC, tile, bh, b, t, rows, row_ok, qd_mask,
                                                                d, T, W, D, QT, BN, DOC_MASK)
     K, V = head_rows_descriptors(K, V, tl.num_programs(1) // H, T, H, D, BN, BD, TMA)
     u = tl.arange(0, BN)
-    do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
-    do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, rows, row_ok)
+    lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, rows, row_ok)
     dq = tl.zeros([BM, BD], tl.float32)
     for step in range(doc_step, win_step):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
         p = _keep_chosen(tl.exp2(s - lse_s[:, None]), 0.0, word, step, pos, BS, BN)
-        dp = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         dq += tl.dot((p * (dp - delta_s[:, None])).to(k.dtype), k, input_precision=PRECISION)
     for step in range(win_step, last_step + 1):
         pos, k, v, s = _scores(q, K, V, b, h, step, u, T, d, d_ok, qk_scale, H, D, BN, BD, PRECISION, TMA)
         causal, inside = _window_step_masks(t, pos, doc, W, DOC_MASK)
         p_s = _keep_chosen(tl.where(causal, tl.exp2(s - lse_s[:, None]), 0.0), 0.0, word, step, pos, BS, BN)
         p_w = tl.where(inside, tl.exp2(s - lse_w[:, None]), 0.0)
-        dp_s = tl.dot(do_s, tl.trans(v), input_precision=PRECISION)
-        dp_w = tl.dot(do_w, tl.trans(v), input_precision=PRECISION)
-        ds = p_s * (dp_s - delta_s[:, None]) + p_w * (dp_w - delta_w[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p_s * (dp - delta_s[:, None]) + p_w * (dp - delta_w[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 @triton.jit
-def _dkdv_selected(Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale,
-                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                   QT: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """A query tile's rows as seen from the keys `pos`: their positions, offsets, validity, q / dO masks, q and
-    the selected branch's dO, its probabilities and its part of dS (transposed: [keys, rows]), and the scores.
-    CAUSAL: some of the keys may follow some rows' queries (else all precede them)."""
+def _dkdv_tile(Q, BITS, DO, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale,
+               H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+               QT: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """A query tile's rows as seen from the keys `pos` (transposed: [keys, rows]): their positions, offsets,
+    validity and q / dO masks, q, dO, dP = v dOᵀ, the scores, and the selected branch's gated probabilities
+    g P and its part of dS. CAUSAL: some of the keys may follow some rows' queries (else all precede them)."""
     t, rows, row_ok = _rows(tile, b, h, T, H, G, QT, BM)
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    do_s, lse_s, delta_s = _row_grads(DO_SLC, LSE_SLC, DELTA_SLC, rows, row_ok, qd_mask, d, D)
+    do = tl.load(DO + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
+    lse_s, delta_s = _row_stats(LSE_SLC, DELTA_SLC, rows, row_ok)
     s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, rows], log2 units
     word = tl.load(BITS + bh * T + t, mask=row_ok, other=0)
     p_s = tl.exp2(s - lse_s[None, :])
     if CAUSAL:
         p_s = tl.where(pos[:, None] <= t[None, :], p_s, 0.0)
     p_s = _keep_chosen_t(p_s, 0.0, word, step, pos, BS, BN)
-    dp_s = tl.dot(v, tl.trans(do_s), input_precision=PRECISION)
-    return t, rows, row_ok, qd_mask, q, do_s, p_s, p_s * (dp_s - delta_s[None, :]), s
+    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    return t, rows, row_ok, qd_mask, q, do, dp, s, p_s, p_s * (dp - delta_s[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "W"])
-def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
-                     qk_scale, scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     BN: tl.constexpr, QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                     PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W, qk_scale,
+                     scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                     QT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                     TMA: tl.constexpr, DOC_MASK: tl.constexpr):
     """One program per (BN keys, batch * KV head): their dK and dV, from the query tiles that see them. Scores are
     computed transposed (keys x query rows), so that dV += Pᵀ dO and dK += dSᵀ Q take their left operand straight
-    from the accumulator's layout."""
+    from the accumulator's layout. The gated output's dO serves both branches: in the window's tiles one dP = v dOᵀ
+    and one dV += (g_s P_s + g_w P_w)ᵀ dO, where separate branch gradients took two of each."""
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     step = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
@@ -266,23 +271,21 @@ def _bwd_dkdv_kernel(Q, K, V, BITS, DOC, QEND, DO_SLC, DO_WIN, LSE_SLC, LSE_WIN,
     n_tiles = tl.cdiv(tl.load(QEND + b * tl.cdiv(T, BN) + step) if DOC_MASK else T, QT)
     win_last = tl.minimum(tl.minimum(step * BN + BN + W - 2, T - 1) // QT, n_tiles - 1)
     for tile in range(first, win_last + 1):
-        t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
-            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
+        t, rows, row_ok, qd_mask, q, do, dp, s, p, ds = _dkdv_tile(
+            Q, BITS, DO, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
             BN, QT, BM, PRECISION, True)
-        dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
-        do_w, lse_w, delta_w = _row_grads(DO_WIN, LSE_WIN, DELTA_WIN, rows, row_ok, qd_mask, d, D)
+        lse_w, delta_w = _row_stats(LSE_WIN, DELTA_WIN, rows, row_ok)
         doc = _doc_starts(DOC, b, t, row_ok, T, DOC_MASK)
         inside = _window(t[None, :], pos[:, None], doc[None, :], W, DOC_MASK) & row_ok[None, :]
         p_w = tl.where(inside, tl.exp2(s - lse_w[None, :]), 0.0)
-        dv += tl.dot(p_w.to(do_w.dtype), do_w, input_precision=PRECISION)
-        dp_w = tl.dot(v, tl.trans(do_w), input_precision=PRECISION)
-        ds += p_w * (dp_w - delta_w[None, :])
+        dv += tl.dot((p + p_w).to(do.dtype), do, input_precision=PRECISION)
+        ds += p_w * (dp - delta_w[None, :])
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     for tile in range(win_last + 1, n_tiles):
-        t, rows, row_ok, qd_mask, q, do_s, p_s, ds, s = _dkdv_selected(
-            Q, BITS, DO_SLC, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
+        t, rows, row_ok, qd_mask, q, do, dp, s, p, ds = _dkdv_tile(
+            Q, BITS, DO, LSE_SLC, DELTA_SLC, k, v, b, h, bh, tile, step, pos, d, d_ok, T, qk_scale, H, G, D, BS,
             BN, QT, BM, PRECISION, False)
-        dv += tl.dot(p_s.to(do_s.dtype), do_s, input_precision=PRECISION)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     out = (b * T + pos)[:, None] * (H * D) + h * D + d[None, :]
     kd_mask = (pos < T)[:, None] & d_ok[None, :]
@@ -314,63 +317,77 @@ def _launch(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None, block_
                 DOC_MASK=doc_start is not None, num_warps=launch["num_warps"], num_stages=stages), triton.cdiv(T, QT)
 
 
-def _fwd_fake(q, k, v, bits, doc_start, block_size, window, scale, kernels="triton"):
+def _fwd_fake(q, k, v, gates, bits, doc_start, block_size, window, scale, kernels="triton"):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
 
 
 @triton_common.kernel_op("nsa::selected_window_fwd", _fwd_fake)
-def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
-                        window: int, scale: float, kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """o_slc, o_win [B, T, HQ, D] (dtype of q) and their natural-log lse [B, T, HQ] (fp32). bits: `chosen_bits`.
-    kernels (`model.nsa.selected_kernels`) rides along for the backward (`selected_window_bwd`): the forward is
-    Triton's either way (Gluon's measures 0.97-1.01x as fast: docs/KERNELS.md)."""
+def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, bits: Tensor, doc_start: Tensor | None,
+                        block_size: int, window: int, scale: float,
+                        kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """o = g_slc o_slc + g_win o_win [B, T, HQ, D] (dtype of q; gates [B, T, HQ, 2]: g_slc, g_win >= 0), and, for
+    the backward (not differentiable), o_slc, o_win and their natural-log lse [B, T, HQ] (fp32). bits:
+    `chosen_bits`. kernels (`model.nsa.selected_kernels`) rides along for the backward (`selected_window_bwd`): the
+    forward is Triton's either way (Gluon's measures 0.97-1.01x as fast at head dim 64: docs/KERNELS.md)."""
     q, k, v, bits = q.contiguous(), k.contiguous(), v.contiguous(), bits.contiguous()
     o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
     lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
     lse_win = torch.empty_like(lse_slc)
     triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
                lse_win=lse_win, launch=triton_common.op_launch)
-    return o_slc, o_win, lse_slc, lse_win
+    # The gated sum in torch: compiled, inductor fuses it with the caller's compressed term (in the kernel's
+    # epilogue it made the forward 3% slower: a third [rows, D] store and 24 more registers).
+    g = gates.to(q.dtype)
+    return g[..., 0, None] * o_slc + g[..., 1, None] * o_win, o_slc, o_win, lse_slc, lse_win
 
 
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
                window: int, scale: float, o_slc: Tensor, o_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
                launch: Callable = triton_common.direct_launch) -> None:
-    """Launch the Triton forward into the outputs (as `gluon_selected_window.gluon_fwd`, with the block size)."""
+    """Launch the Triton forward into the branches' outputs (as `gluon_selected_window.gluon_fwd`, with the block
+    size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, FWD_LAUNCH)
     k, v = triton_common.kv_sources(k, v)
     launch(_fwd_kernel)[(tiles, q.shape[0] * args["H"])](q, k, v, O_SLC=o_slc, O_WIN=o_win, LSE_SLC=lse_slc,
                                                       LSE_WIN=lse_win, **args)
 
 
-def _bwd_fake(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window,
-              scale, kernels="triton"):
+def _bwd_fake(do, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, block_size, window, scale,
+              kernels="triton"):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _bwd_inputs(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor,
-                lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
-    """The backward's inputs, contiguous: q, k, v, bits, and the branches' gradients and statistics as the dQ and
-    dK/dV launchers (Triton's and Gluon's) take them."""
+def _bwd_inputs(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, do: Tensor, lse_slc: Tensor, lse_win: Tensor,
+                delta_slc: Tensor, delta_win: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
+    """The backward's inputs, contiguous: q, k, v, bits, and the gradient and the branches' statistics as the dQ
+    and dK/dV launchers (Triton's and Gluon's) take them."""
     q, k, v, bits = (x.contiguous() for x in (q, k, v, bits))
-    grads = dict(do_slc=do_slc.contiguous(), do_win=do_win.contiguous(), lse_slc=lse_slc.contiguous(),
-                 lse_win=lse_win.contiguous(), delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
+    grads = dict(do=do.contiguous(), lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
+                 delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
     return q, k, v, bits, grads
 
 
+def gated_lse(lse: Tensor, gate: Tensor) -> Tensor:
+    """A branch's lse less ln(gate) [B, T, HQ] (fp32; +inf where the gate is 0): exp(s - it) is the gated
+    probability g P, so the backward kernels take the gates through it. Gates are >= 0 (sigmoids)."""
+    g = gate.float()
+    return torch.where(g > 0, lse - g.log(), float("inf"))
+
+
 @triton_common.kernel_op("nsa::selected_window_bwd", _bwd_fake)
-def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
-                        lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
-                        doc_start: Tensor | None, block_size: int, window: int, scale: float,
+def selected_window_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor, lse_win: Tensor,
+                        delta_slc: Tensor, delta_win: Tensor, bits: Tensor, doc_start: Tensor | None,
+                        block_size: int, window: int, scale: float,
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv given each branch's output gradient and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32);
-    kernels: "gluon_hopper" runs `gluon_selected_window`'s dQ and dK/dV kernels (`gluon_selected_window_bwd`:
-    Hopper, bf16, head dim 64 or 128, blocks of 64 keys: they raise outside them); "triton" this module's."""
+    """dq, dk, dv of o = g_slc o_slc + g_win o_win given its gradient do, each branch's gated lse (`gated_lse`)
+    and delta = rowsum(o_branch * do) [B, T, HQ] (fp32); kernels: "gluon_hopper" runs `gluon_selected_window`'s dQ
+    and dK/dV kernels (`gluon_selected_window_bwd`: Hopper, bf16, head dim 64 or 128, blocks of 64 keys: they
+    raise outside them); "triton" this module's."""
     if kernels == "gluon_hopper":
-        return gluon_selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
-                                         doc_start, window, scale)
-    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win)
+        return gluon_selected_window_bwd(do, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, window,
+                                         scale)
+    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do, lse_slc, lse_win, delta_slc, delta_win)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     triton_bwd_dq(q, k, v, bits, doc_start, block_size, window, scale, **grads, dq=dq,
                   launch=triton_common.op_launch)
@@ -380,13 +397,13 @@ def selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v:
 
 
 @torch.library.custom_op("nsa::gluon_selected_window_bwd", mutates_args=())
-def gluon_selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor,
-                              lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor, bits: Tensor,
-                              doc_start: Tensor | None, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def gluon_selected_window_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_slc: Tensor, lse_win: Tensor,
+                              delta_slc: Tensor, delta_win: Tensor, bits: Tensor, doc_start: Tensor | None,
+                              window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """`selected_window_bwd` through the Gluon kernels: an opaque custom op (inductor cannot launch Gluon kernels)."""
     from nsa_models.nsa import gluon_selected_window as gluon  # only here: CPU runs never load Gluon
 
-    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win)
+    q, k, v, bits, grads = _bwd_inputs(q, k, v, bits, do, lse_slc, lse_win, delta_slc, delta_win)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     gluon.gluon_bwd_dq(q, k, v, bits, doc_start, window, scale, **grads, dq=dq)
     gluon.gluon_bwd_dkdv(q, k, v, bits, doc_start, window, scale, **grads, dk=dk, dv=dv)
@@ -394,32 +411,28 @@ def gluon_selected_window_bwd(do_slc: Tensor, do_win: Tensor, q: Tensor, k: Tens
 
 
 @gluon_selected_window_bwd.register_fake
-def _(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, window, scale):
+def _(do, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits, doc_start, window, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _grad_args(do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
-               delta_win: Tensor) -> dict:
-    """The backward kernels' keyword arguments for the branches' gradients and statistics."""
-    return dict(DO_SLC=do_slc, DO_WIN=do_win, LSE_SLC=lse_slc, LSE_WIN=lse_win, DELTA_SLC=delta_slc,
-                DELTA_WIN=delta_win)
+def _grad_args(do: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor, delta_win: Tensor) -> dict:
+    """The backward kernels' keyword arguments for the gradient and the branches' statistics."""
+    return dict(DO=do, LSE_SLC=lse_slc, LSE_WIN=lse_win, DELTA_SLC=delta_slc, DELTA_WIN=delta_win)
 
 
 def triton_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
-                  window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
-                  delta_slc: Tensor, delta_win: Tensor, dq: Tensor,
-                  launch: Callable = triton_common.direct_launch) -> None:
+                  window: int, scale: float, do: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
+                  delta_win: Tensor, dq: Tensor, launch: Callable = triton_common.direct_launch) -> None:
     """Launch the Triton dQ kernel into dq (as `gluon_selected_window.gluon_bwd_dq`, with the block size)."""
     args, tiles = _launch(q, k, bits, doc_start, block_size, window, scale, DQ_LAUNCH)
     k_op, v_op = triton_common.kv_sources(k, v)
-    launch(_bwd_dq_kernel)[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, scale=scale, **args, **_grad_args(
-        do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
+    launch(_bwd_dq_kernel)[(tiles, q.shape[0] * args["H"])](q, k_op, v_op, DQ=dq, scale=scale, **args,
+                                                            **_grad_args(do, lse_slc, lse_win, delta_slc, delta_win))
 
 
 def triton_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
-                    window: int, scale: float, do_slc: Tensor, do_win: Tensor, lse_slc: Tensor, lse_win: Tensor,
-                    delta_slc: Tensor, delta_win: Tensor, dk: Tensor, dv: Tensor,
-                    launch: Callable = triton_common.direct_launch) -> None:
+                    window: int, scale: float, do: Tensor, lse_slc: Tensor, lse_win: Tensor, delta_slc: Tensor,
+                    delta_win: Tensor, dk: Tensor, dv: Tensor, launch: Callable = triton_common.direct_launch) -> None:
     """Launch the Triton dK/dV kernel into dk, dv (as `gluon_selected_window.gluon_bwd_dkdv`, with the block
     size)."""
     args, _ = _launch(q, k, bits, doc_start, block_size, window, scale, DKDV_LAUNCH)
@@ -427,22 +440,27 @@ def triton_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Te
     query_ends = args["DOC"] if doc_start is None else triton_common.document_query_ends(doc_start, args["BN"])
     launch(_bwd_dkdv_kernel)[(triton.cdiv(q.shape[1], args["BN"]), q.shape[0] * args["H"])](
         q, k_op, v_op, QEND=query_ends, DK=dk, DV=dv, scale=scale, **args,
-        **_grad_args(do_slc, do_win, lse_slc, lse_win, delta_slc, delta_win))
+        **_grad_args(do, lse_slc, lse_win, delta_slc, delta_win))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bits, doc_start, block_size, window, scale, kernels = inputs
-    ctx.save_for_backward(*output, q, k, v, bits, doc_start)
+    q, k, v, gates, bits, doc_start, block_size, window, scale, kernels = inputs
+    _, o_slc, o_win, lse_slc, lse_win = output
+    # The branches' outputs and lse are the backward's, not the model's: no gradient flows into them.
+    ctx.mark_non_differentiable(o_slc, o_win, lse_slc, lse_win)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(o_slc, o_win, lse_slc, lse_win, q, k, v, gates, bits, doc_start)
     ctx.block_size, ctx.window, ctx.scale, ctx.kernels = block_size, window, scale, kernels
 
 
-def _backward(ctx, do_slc, do_win, dlse_slc, dlse_win):
-    o_slc, o_win, lse_slc, lse_win, q, k, v, bits, doc_start = ctx.saved_tensors
-    delta_slc = triton_common.softmax_delta(o_slc, do_slc, dlse_slc)
-    delta_win = triton_common.softmax_delta(o_win, do_win, dlse_win)
-    dq, dk, dv = selected_window_bwd(do_slc, do_win, q, k, v, lse_slc, lse_win, delta_slc, delta_win, bits,
-                                     doc_start, ctx.block_size, ctx.window, ctx.scale, ctx.kernels)
-    return dq, dk, dv, None, None, None, None, None, None
+def _backward(ctx, do, *_):
+    o_slc, o_win, lse_slc, lse_win, q, k, v, gates, bits, doc_start = ctx.saved_tensors
+    # Each branch's rowsum(o_branch * dO): its gate's gradient, and the softmax term of its dS.
+    delta_slc, delta_win = (triton_common.softmax_delta(o, do, None) for o in (o_slc, o_win))
+    dq, dk, dv = selected_window_bwd(do, q, k, v, gated_lse(lse_slc, gates[..., 0]), gated_lse(lse_win, gates[..., 1]),
+                                     delta_slc, delta_win, bits, doc_start, ctx.block_size, ctx.window, ctx.scale,
+                                     ctx.kernels)
+    return dq, dk, dv, torch.stack([delta_slc, delta_win], -1).to(gates.dtype), None, None, None, None, None, None
 
 
 selected_window_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -456,20 +474,22 @@ def check_fused(T: int, block_size: int) -> None:
                          f"grows as T^2), got {T}: set window_backend to 'flex' or 'flash_attn_4'")
 
 
-def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, window: int,
-                              scale: float | None = None, doc_start: Tensor | None = None,
-                              kernels: str = "triton") -> tuple[Tensor, Tensor]:
-    """The selected and window branches' outputs [B, T, HQ, D] over the same k, v [B, T, H, D]; block_indices
-    [B, H, T, n] int64 (-1: none), inside each query's document; doc_start [B, T] int32 (multiples of block_size)
-    or None; kernels: the backward's (`selected_window_bwd`: "gluon_hopper" runs Gluon's dQ and dK/dV, on
-    Hopper)."""
+def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, block_indices: Tensor,
+                              block_size: int, window: int, scale: float | None = None,
+                              doc_start: Tensor | None = None, kernels: str = "triton") -> Tensor:
+    """g_slc o_slc + g_win o_win [B, T, HQ, D]: the selected and window branches' outputs over the same k, v
+    [B, T, H, D], each weighted by its gate (gates [B, T, HQ, 2]); block_indices [B, H, T, n] int64 (-1: none),
+    inside each query's document; doc_start [B, T] int32 (multiples of block_size) or None; kernels: the
+    backward's (`selected_window_bwd`: "gluon_hopper" runs Gluon's dQ and dK/dV, on Hopper)."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
+    if gates.shape != (B, T, HQ, 2):
+        raise ValueError(f"selected + window attention: gates must be [B, T, HQ, 2] = [{B}, {T}, {HQ}, 2], got "
+                         f"{tuple(gates.shape)}")
     scale = D ** -0.5 if scale is None else scale
-    o_slc, o_win, _, _ = selected_window_fwd(q, k, v, chosen_bits(block_indices), doc_start, block_size, window,
-                                             scale, kernels)
-    return o_slc, o_win
+    return selected_window_fwd(q, k, v, gates, chosen_bits(block_indices), doc_start, block_size, window, scale,
+                               kernels)[0]
 
 
 # The sliding window alone, through the sweep's Gluon kernels without the selected branch (`window_backend =
@@ -500,8 +520,7 @@ def window_sweep_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, d
 
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    stats = dict(do_slc=None, do_win=do, lse_slc=None, lse_win=lse.contiguous(), delta_slc=None,
-                 delta_win=delta.contiguous())
+    stats = dict(do=do, lse_slc=None, lse_win=lse.contiguous(), delta_slc=None, delta_win=delta.contiguous())
     gluon_selected_window.gluon_bwd_dq(q, k, v, None, doc_start, window, scale, **stats, dq=dq)
     gluon_selected_window.gluon_bwd_dkdv(q, k, v, None, doc_start, window, scale, **stats, dk=dk, dv=dv)
     return dq, dk, dv
