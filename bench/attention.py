@@ -5,8 +5,9 @@
     python bench/attention.py --window-backend flash_attn_4   # the core's window through FlashAttention-4
     python bench/attention.py --window-backend flash_attn_4 --cmp-backend flash_attn_4   # and its compressed branch
     python bench/attention.py --selected-kernels gluon_hopper   # the selected branch's Gluon kernels (Hopper)
-    python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's:
-                                # wall clock, GPU kernel time, and the fwd+bwd replayed as one CUDA graph
+    python bench/attention.py --selected --seq-lens 1024 2048 65536   # the selected branch alone, ours and fla's,
+                                # beside cuDNN's dense causal attention: wall clock, GPU kernel time, the fwd+bwd
+                                # replayed as one CUDA graph and its model TFLOP/s
     python bench/attention.py --core-only --documents 1 16 --seq-lens 8192 65536   # what document masking costs
     python bench/attention.py --fused --batch 16 --heads 12 --head-dim 64 --seq-lens 2048   # nsa-125m's selected and
                                 # window branches, separately and in one sweep (window_backend fused_with_selected)
@@ -266,16 +267,10 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int, documents: Sequence[in
     if core_only:
         return rows
 
-    qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
-    ke, ve = (x.detach().repeat_interleave(HQ // H, dim=1).requires_grad_() for x in (kh, vh))
     for name, backend in (("SDPA flash (dense)", SDPBackend.FLASH_ATTENTION),
                           ("SDPA cuDNN (dense)", SDPBackend.CUDNN_ATTENTION)):
-        def sdpa(backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qh, ke, ve, is_causal=True)
-        rows.append((name, *time_ms(sdpa, [qh, ke, ve])))
-    ke = ve = None
-
+        rows.append((name, *time_ms(*dense_causal(q, k, v, backend))))
+    qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
     causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device, _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
     rows.append(("FlexAttention (dense)",
@@ -292,6 +287,19 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int, documents: Sequence[in
             return fla_nsa() + window_attention(q, k, v, FLEX_WINDOW)
         rows.append(("fla parallel_nsa + flex window", *time_ms(fla_with_window, [q, k, v, g_cmp, g_slc])))
     return rows
+
+
+def dense_causal(q: Tensor, k: Tensor, v: Tensor, backend: SDPBackend) -> tuple[Callable[[], Tensor], list[Tensor]]:
+    """Dense causal SDPA through `backend` on the heads of q, k, v [B, T, heads, D] (K/V repeated to the query
+    heads), and the leaves it differentiates."""
+    qh, kh, vh = (x.detach().transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D]
+    kh, vh = (x.repeat_interleave(q.shape[2] // k.shape[2], dim=1) for x in (kh, vh))
+    leaves = [x.requires_grad_() for x in (qh, kh, vh)]
+
+    def sdpa() -> Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(*leaves, is_causal=True)
+    return sdpa, leaves
 
 
 def kernel_times(fn, grad_inputs: list[Tensor], top: int = 12) -> str:
@@ -352,10 +360,15 @@ def kernel_resources() -> str:
     return "\n".join(lines) + "\n"
 
 
+DENSE_CUDNN = "SDPA cuDNN (dense causal)"
+
+
 def selected_names() -> list[str]:
-    """The --selected table's columns: `selected_functions`' names for this run's selected kernels."""
+    """The --selected table's columns: `selected_functions`' names for this run's selected kernels, and cuDNN's
+    dense causal attention at the same shape (its model TFLOP/s: every causal pair)."""
     kernels = NSA.selected_kernels
-    return [f"selected ({kernels})", f"selected ({kernels}), compiled", "fla selected (ParallelNSAFunction)"]
+    return [f"selected ({kernels})", f"selected ({kernels}), compiled", "fla selected (ParallelNSAFunction)",
+            DENSE_CUDNN]
 
 
 def _ms(x: float | str) -> str:
@@ -368,10 +381,11 @@ def ratio(a: float | str, b: float | str) -> str:
 
 def nsa_tflops(B: int, T: int, HQ: int, H: int, D: int, ms: float | str,
                branches: tuple[str, ...] = ("cmp", "slc", "win")) -> str:
-    """Model FLOP rate of a fwd+bwd of the branches (3 x the forward's q.k and p.v products, real key counts)."""
+    """Model FLOP rate of a fwd+bwd of the branches (3 x the forward's q.k and p.v products, real key counts);
+    branches ("dense",): causal attention over every key up to the query."""
     if not isinstance(ms, float):
         return "n/a"
-    keys = mean_keys_per_query(ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA), T)
+    keys = mean_keys_per_query(ModelArgs(n_heads=HQ, n_kv_heads=H, head_dim=D, nsa=NSA), T) | {"dense": (T + 1) / 2}
     return f"{3 * 4 * D * HQ * sum(keys[b] for b in branches) * B * T / ms / 1e9:.0f}"
 
 
@@ -430,10 +444,13 @@ def main() -> None:
         print(f"\n| T | {columns} |\n|---|" + "---|" * len(names))
         for T in args.seq_lens:
             q, k, v = nsa_inputs(args.batch, T, HQ, H, D)[:3]
-            times = {name: (*time_ms(fn, [q, k, v]), gpu_kernel_ms(fn, [q, k, v]), cuda_graph_ms(fn, [q, k, v]))
-                     for name, fn in selected_functions(q, k, v).items()}
+            functions = {name: (fn, [q, k, v]) for name, fn in selected_functions(q, k, v).items()}
+            functions[DENSE_CUDNN] = dense_causal(q, k, v, SDPBackend.CUDNN_ATTENTION)
+            times = {name: (*time_ms(fn, leaves), gpu_kernel_ms(fn, leaves), cuda_graph_ms(fn, leaves))
+                     for name, (fn, leaves) in functions.items()}
             # the rate of the fwd+bwd as a CUDA graph: what a training step pays without the host's launches
-            cells = {name: (*map(_ms, t), nsa_tflops(args.batch, T, HQ, H, D, t[3], ("slc",)))
+            cells = {name: (*map(_ms, t), nsa_tflops(args.batch, T, HQ, H, D, t[3],
+                                                     ("dense",) if name == DENSE_CUDNN else ("slc",)))
                      for name, t in times.items()}
             print(f"| {T} | " + " | ".join(" / ".join(cells.get(name, ("-",) * 5)) for name in names) + " |",
                   flush=True)

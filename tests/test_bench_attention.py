@@ -1,5 +1,6 @@
 """bench/attention.py's arithmetic on CPU: the CUDA occupancy calculator's counts for an H100 / H200 SM, the
-documents its masking rows time, and that its --fused rows time the same outputs."""
+documents its masking rows time, that its --fused rows time the same outputs, and the dense causal baseline its
+--selected table sets beside ours (GQA heads repeated, its model FLOPs)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import os
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from bench.attention import (
     NSA,
     _fused_branches,
     _separate_branches,
+    dense_causal,
     equal_documents,
+    nsa_tflops,
     programs_per_sm,
     random_block_indices,
 )
@@ -54,3 +58,23 @@ def test_fused_rows_time_the_same_outputs():
     idx = random_block_indices(1, 1, 300, NSA.n_selected, NSA.sel_block_size, "cpu")
     torch.testing.assert_close(_fused_branches(q, k, v, idx), _separate_branches(q, k, v, idx, None),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_dense_causal_baseline_attends_each_query_heads_kv_group():
+    """The dense baseline ([B, T, heads, D] in, K/V repeated to the G query heads of their group) against a masked
+    softmax per query head; its rate counts 3 x 4 D FLOPs per causal (query head, key) pair."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, G, D = 2, 9, 2, 3, 8
+    q = torch.randn(B, T, H * G, D, generator=gen)
+    k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(2))
+    fn, leaves = dense_causal(q, k, v, SDPBackend.MATH)
+    got = fn()
+    scores = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(G, dim=2)) * D ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    want = torch.einsum("bhts,bshd->bhtd", scores.masked_fill(~causal, float("-inf")).softmax(-1),
+                        v.repeat_interleave(G, dim=2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    assert all(x.grad is not None for x in leaves)
+    pairs = B * H * G * T * (T + 1) / 2
+    assert nsa_tflops(B, T, H * G, H, D, 1.0, ("dense",)) == f"{3 * 4 * D * pairs / 1e9:.0f}"
