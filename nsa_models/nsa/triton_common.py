@@ -46,7 +46,7 @@ def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
 
 def direct_launch(kernel: triton.JITFunction) -> triton.JITFunction:
     """`kernel`, for a launch from eager code (tests, benchmarks), with Triton's global-scratch allocator set: the
-    device-side TMA descriptors (`head_rows_descriptors`) live there. The allocator is per thread (a ContextVar),
+    device-side TMA descriptors (`head_rows_descriptor`) live there. The allocator is per thread (a ContextVar),
     and autograd runs the backward on a thread of its own, so every launch sets it."""
     triton.set_allocator(_scratch)
     return kernel
@@ -62,7 +62,7 @@ def op_launch(kernel: triton.JITFunction) -> Callable:
 def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                    BD: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + ROWS) of head h of batch b of a [B, N, H, D] tensor, as [ROWS, BD]; rows outside
-    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand` or `head_rows_descriptors`) and
+    [0, N) read as zeros. TMA: X is the tensor's descriptor (`head_rows_operand` or `head_rows_descriptor`) and
     the copy engine loads the box (head-dim lanes past D may hold the next head's values: callers meet them with
     zero q / dO lanes and never store them); else pointer loads."""
     if TMA:
@@ -75,20 +75,24 @@ def load_head_rows(X, b, h, start, N, d, d_ok, ROWS: tl.constexpr, H: tl.constex
 
 
 @triton.jit
-def head_rows_descriptors(K, V, B, N, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
-                          TMA: tl.constexpr):
-    """K and V [B, N, H, D] (`tma_source`'s) as `load_head_rows` reads them: with TMA, descriptors made on the
-    device, one box = ROWS rows of one head; else the pointers. Made here rather than on the host because inductor
-    launches these kernels (`kernel_op`) and cannot pass host descriptors; each program writes its own into
-    global scratch (`direct_launch`). N = 0 is read from `tma_source`'s one zero row."""
+def head_rows_descriptor(X, B, N, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                         TMA: tl.constexpr):
+    """X [B, N, H, D] (`tma_source`'s) as `load_head_rows` reads it: with TMA, a descriptor made on the device, one
+    box = ROWS rows of one head; else the pointer. Made here rather than on the host because inductor launches
+    these kernels (`kernel_op`) and cannot pass host descriptors; each program writes its own into global scratch
+    (`direct_launch`). N = 0 is read from `tma_source`'s one zero row."""
     if TMA:
         rows = tl.maximum(N, 1)
-        stride = rows.to(tl.int64) * (H * D)
-        K = tl.make_tensor_descriptor(K, shape=[B, rows, H * D], strides=[stride, H * D, 1],
+        X = tl.make_tensor_descriptor(X, shape=[B, rows, H * D], strides=[rows.to(tl.int64) * (H * D), H * D, 1],
                                       block_shape=[1, ROWS, BD])
-        V = tl.make_tensor_descriptor(V, shape=[B, rows, H * D], strides=[stride, H * D, 1],
-                                      block_shape=[1, ROWS, BD])
-    return K, V
+    return X
+
+
+@triton.jit
+def head_rows_descriptors(K, V, B, N, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                          TMA: tl.constexpr):
+    """`head_rows_descriptor` of the keys and of the values."""
+    return (head_rows_descriptor(K, B, N, H, D, ROWS, BD, TMA), head_rows_descriptor(V, B, N, H, D, ROWS, BD, TMA))
 
 
 @triton.jit
@@ -169,7 +173,7 @@ def tma_source(x: Tensor) -> Tensor:
 
 
 def kv_sources(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values [B, N, H, D] as kernels that make their descriptors on the device (`head_rows_descriptors`)
+    """Keys and values [B, N, H, D] as kernels that make their descriptors on the device (`head_rows_descriptor`)
     read them: `tma_source`s where `kv_tma`, else as they are. Host TMA descriptors against pointer loads on the
     compressed branch (H200, op ms, forward / backward / selection): 64k, G = 16, D = 128: 10.87 / 29.12 / 13.57 ->
     9.93 / 28.17 / 11.66; 32k, G = 1: 2.90 / 9.62 / 4.70 -> 2.67 / 9.29 / 4.77; nsa-125m (G = 3, D = 64) at 1 x

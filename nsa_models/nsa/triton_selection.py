@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_models.nsa import triton_common
-from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptors, load_head_rows, query_offsets, row_offset
+from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptor, load_head_rows, query_offsets, row_offset
 from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _sees, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
@@ -52,7 +52,7 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     bh = tl.program_id(1).to(tl.int64)
     t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     Q0 = row_offset(Q0, Q0_ODD, b)
-    K, _ = head_rows_descriptors(K, K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
+    K = head_rows_descriptor(K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
