@@ -84,8 +84,8 @@ class NSAArgs:
     """Key-block-major kernels of the `triton` backend's selected branch: the forward's item kernel and the
     backward's dK/dV kernel (`triton_selected`), or their Gluon versions written for Hopper (`gluon_selected`:
     cp.async gathers double-buffered, wgmma products); with window_backend = "fused_with_selected", that sweep's
-    dQ and dK/dV kernels too (`gluon_selected_window`: 1.02-1.49x and 1.28x Triton's kernels at nsa-125m's and
-    nsa-1b's heads on an H200). The query-tile kernels and the rest stay Triton's. Gluon runs
+    forward, dQ and dK/dV kernels too (`gluon_selected_window`: 1.1-1.5x Triton's at nsa-125m's and nsa-1b's heads
+    on an H200, docs/KERNELS.md). The query-tile kernels and the rest stay Triton's. Gluon runs
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable path.
     Measured effect (docs/PERFORMANCE.md, one H200 each): nsa-125m +1.7% tokens/s at 2k, +5.3% at 8k (NSA / dense

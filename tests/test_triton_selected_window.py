@@ -203,17 +203,22 @@ def triton_as_gluon_bwd(name: str, triton_launch, calls: list):
 
 
 @pytest.mark.parametrize("documents", [False, True])
-def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
-    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused dQ and dK/dV are `gluon_selected_window.
-    gluon_bwd_dq`'s and `gluon_bwd_dkdv`'s, each given what the Triton launch gets but the block size (the Gluon
-    kernels' is 64) and writing the same outputs; the forward stays Triton's (the Gluon one measured slower,
-    docs/KERNELS.md). Here (CPU) a Gluon launch is a recording stand-in that runs the Triton one on those arguments,
-    so the output and gradients are the default path's, bit for bit; the Gluon kernels themselves run in
-    tests/test_gluon_selected_window.py (Hopper)."""
+def test_gluon_kernels_are_dispatched_with_the_triton_launch_arguments(documents: bool, monkeypatch):
+    """kernels = "gluon_hopper" (`model.nsa.selected_kernels`): the fused forward, dQ and dK/dV are
+    `gluon_selected_window.gluon_fwd`'s, `gluon_bwd_dq`'s and `gluon_bwd_dkdv`'s, each given what the Triton launch
+    gets but the block size (the Gluon kernels' is 64) and writing the same outputs. Here (CPU) a Gluon launch is a
+    recording stand-in that runs the Triton one on those arguments, so the output and gradients are the default
+    path's, bit for bit; the Gluon kernels themselves run in tests/test_gluon_selected_window.py (Hopper)."""
     from nsa_models.nsa import gluon_selected_window  # imports on a CPU machine (it compiles nothing until launched)
 
     calls = []
-    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", lambda *a, **kw: calls.append("fwd"))
+
+    def fwd(q, k, v, bits, doc_start, window, scale, o_slc, o_win, lse_slc, lse_win):
+        calls.append(("fwd", q.shape, bits.shape, doc_start is not None, window, scale))
+        sw.triton_fwd(q, k, v, bits, doc_start, BS, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
+                      lse_win=lse_win)
+
+    monkeypatch.setattr(gluon_selected_window, "gluon_fwd", fwd)
     monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dq", triton_as_gluon_bwd("dq", sw.triton_bwd_dq, calls))
     monkeypatch.setattr(gluon_selected_window, "gluon_bwd_dkdv",
                         triton_as_gluon_bwd("dkdv", sw.triton_bwd_dkdv, calls))
@@ -229,7 +234,7 @@ def test_gluon_backward_is_dispatched_with_the_triton_launch_arguments(documents
         out = selected_window_attention(*leaves, idx, BS, window, D ** -0.5, doc, kernels)
         results[kernels] = [out, *torch.autograd.grad((out * cot).sum(), leaves)]
     shapes = (inputs[0].shape, (B, H, T), documents, window, D ** -0.5)
-    assert calls == [("dq", *shapes, ["dq"], False), ("dkdv", *shapes, ["dk", "dv"], False)]
+    assert calls == [("fwd", *shapes), ("dq", *shapes, ["dq"], False), ("dkdv", *shapes, ["dk", "dv"], False)]
     for name, want, got in zip(["o", "dq", "dk", "dv", "dgates"], results["triton"], results["gluon_hopper"]):
         assert torch.equal(got, want), name
 

@@ -20,8 +20,8 @@ split the columns. The backward takes the gated output's dO and each branch's ga
 gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per tile for both branches.
 
 Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
-"gluon_hopper"`, the dQ and dK/dV kernels; the forward stays Triton's (this one measures 0.97-1.01x as fast at head
-dim 64 on an H200). All three without the selected branch as `window_backend = "gluon_hopper"`.
+"gluon_hopper"`, all three (at head dim 64 under register caps that fit one more program per multiprocessor:
+`_MAX_REGISTERS`); all three without the selected branch as `window_backend = "gluon_hopper"`.
 `bench/gluon_selected.py fused` times them against Triton's.
 
 With packed documents a tile walks from its first query's document start, and a dK/dV program stops at the end of
@@ -57,6 +57,12 @@ _BN = 64  # keys a step: one selection block
 _STAGES = {64: 3, 128: 2}  # key / value steps in flight, by head dim: 2 CTAs per multiprocessor's shared memory
 _HEAD_DIMS = (64, 128)
 _DKDV_WARPS = 8  # the dK/dV kernel's: two warpgroups splitting the columns
+# Registers per thread by kernel and head dim, where a cap lets one more program share a multiprocessor: at D = 64
+# the forward and dQ (4 warps) take 3 programs under 168 instead of 2 (ptxas: 192 and 177 uncapped; 20 B and no
+# spill capped), the dK/dV (8 warps) 2 under 128 instead of 1 (169; 48 B spilled). H200, nsa-125m 16 x 2k, ms
+# uncapped -> capped: forward 0.571 -> 0.491, dQ 0.445 -> 0.412, dK/dV 1.061 -> 0.909 (docs/KERNELS.md). At D = 128
+# the same caps spill 100-700 B and serialize the products: uncapped there.
+_MAX_REGISTERS = {"fwd": {64: 168}, "dq": {64: 168}, "dkdv": {64: 128}}
 
 
 @gluon.constexpr_function
@@ -148,7 +154,8 @@ def _tile(k_desc, v_desc, DOC, T, W, H: gl.constexpr, D: gl.constexpr, QT: gl.co
     earliest; else the window's), its keys' first row and column in the [B * T, H * D] views (TMA coordinates:
     int32), and the key / value ring with the loads of its first steps issued (`_kv_ring`). Positions and steps in
     int32: shared-memory stages take int32 indices."""
-    tile = gl.program_id(0)
+    # Last tiles first: they walk the longest prefixes, and launched last they would run alone at the end.
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1).to(gl.int64)
     b, h = bh // H, bh % H
     first = tile * QT
@@ -565,9 +572,10 @@ def supported(q: Tensor, k: Tensor, v: Tensor, block_size: int) -> bool:
             and q.shape[-1] in _HEAD_DIMS and block_size == _BN)
 
 
-def _launch_args(q: Tensor, k: Tensor, bits: Tensor | None, doc_start: Tensor | None) -> tuple[tuple[int, int], dict]:
-    """The grid and the keyword arguments the kernels take for these inputs (ValueError where they do not run);
-    bits None: the window alone."""
+def _launch_args(q: Tensor, k: Tensor, bits: Tensor | None, doc_start: Tensor | None,
+                 kernel: str) -> tuple[tuple[int, int], dict]:
+    """The grid and the keyword arguments kernel ("fwd", "dq" or "dkdv") takes for these inputs (ValueError where
+    they do not run); bits None: the window alone."""
     B, T, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -575,9 +583,12 @@ def _launch_args(q: Tensor, k: Tensor, bits: Tensor | None, doc_start: Tensor | 
         raise ValueError(f"gluon_selected_window: needs 16-byte aligned bf16, head dim in {_HEAD_DIMS} and at most "
                          f"{_BM} query heads per KV head; got {q.dtype}, D = {D}, G = {G}")
     QT = _BM // G
-    return (-(-T // QT), B * H), dict(H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN, DOC_MASK=doc_start is not None,
-                                      SELECTED=bits is not None, STAGES=_STAGES[D], NUM_WARPS=_NUM_WARPS,
-                                      num_warps=_NUM_WARPS)
+    warps = _DKDV_WARPS if kernel == "dkdv" else _NUM_WARPS
+    meta = dict(H=H, G=G, D=D, QT=QT, BM=_BM, BN=_BN, DOC_MASK=doc_start is not None, SELECTED=bits is not None,
+                STAGES=_STAGES[D], NUM_WARPS=warps, num_warps=warps)
+    if D in _MAX_REGISTERS[kernel]:
+        meta["maxnreg"] = _MAX_REGISTERS[kernel][D]
+    return (-(-T // QT), B * H), meta
 
 
 def _step_descriptor(x: Tensor) -> TensorDescriptor:
@@ -600,7 +611,7 @@ def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start: T
     `selected_window_fwd` launches the Triton kernel: q [B, T, HQ, D], k, v [B, T, H, D] contiguous, bits
     (`chosen_bits`) [B, H, T] int64, doc_start [B, T] int32 or None. bits None: the window alone (o_slc, lse_slc
     None)."""
-    grid, meta = _launch_args(q, k, bits, doc_start)
+    grid, meta = _launch_args(q, k, bits, doc_start, "fwd")
     _fwd_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
                       _or(o_slc, o_win), o_win, _or(lse_slc, lse_win), lse_win, q.shape[1], window, scale * LOG2E,
                       **meta)
@@ -612,7 +623,7 @@ def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start
     """Launch the Gluon dQ kernel into dq [B, T, HQ, D], as `selected_window_bwd` launches the Triton one: the
     forward's inputs, the gated output's dO (contiguous), each branch's gated lse (`gated_lse`) and delta
     [B, T, HQ] (fp32); the selected branch's None with bits None (the window alone)."""
-    grid, meta = _launch_args(q, k, bits, doc_start)
+    grid, meta = _launch_args(q, k, bits, doc_start, "dq")
     _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
                          do, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dq, q.shape[1],
                          window, scale * LOG2E, scale, **meta)
@@ -623,8 +634,7 @@ def gluon_bwd_dkdv(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_sta
                    delta_win: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Launch the Gluon dK/dV kernel into dk, dv [B, T, H, D] (as `gluon_bwd_dq`; one program per 64 keys and KV
     head)."""
-    (_, bh), meta = _launch_args(q, k, bits, doc_start)
-    meta |= dict(NUM_WARPS=_DKDV_WARPS, num_warps=_DKDV_WARPS)
+    (_, bh), meta = _launch_args(q, k, bits, doc_start, "dkdv")
     query_ends = None if doc_start is None else document_query_ends(doc_start, _BN)
     _bwd_dkdv_kernel[(-(-q.shape[1] // _BN), bh)](
         q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),

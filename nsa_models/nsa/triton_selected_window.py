@@ -123,7 +123,8 @@ def _query_tile(T, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QT: tl.con
     the rows' positions, offsets and which exist, head-dim lanes, their validity and the q / row mask. It reads no
     tensor: inductor's analysis of which tensors a kernel writes (`triton_common.kernel_op`) counts every tensor
     that reaches a call whose results address a store, and would copy those before each launch."""
-    tile = tl.program_id(0).to(tl.int64)
+    # Last tiles first: they walk the longest prefixes, and launched last they would run alone at the end.
+    tile = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     t, rows, row_ok = _rows(tile, b, h, T, H, G, QT, BM)
@@ -328,18 +329,42 @@ def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, bits: Te
                         kernels: str = "triton") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """o = g_slc o_slc + g_win o_win [B, T, HQ, D] (dtype of q; gates [B, T, HQ, 2]: g_slc, g_win >= 0), and, for
     the backward (not differentiable), o_slc, o_win and their natural-log lse [B, T, HQ] (fp32). bits:
-    `chosen_bits`. kernels (`model.nsa.selected_kernels`) rides along for the backward (`selected_window_bwd`): the
-    forward is Triton's either way (Gluon's measures 0.97-1.01x as fast at head dim 64: docs/KERNELS.md)."""
+    `chosen_bits`. kernels (`model.nsa.selected_kernels`): "gluon_hopper" runs `gluon_selected_window`'s forward
+    (`gluon_selected_window_fwd`: Hopper, bf16, head dim 64 or 128, blocks of 64 keys), "triton" this module's; the
+    backward (`selected_window_bwd`) takes the same choice."""
     q, k, v, bits = q.contiguous(), k.contiguous(), v.contiguous(), bits.contiguous()
-    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
-    lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
-    lse_win = torch.empty_like(lse_slc)
-    triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
-               lse_win=lse_win, launch=triton_common.op_launch)
+    if kernels == "gluon_hopper":
+        o_slc, o_win, lse_slc, lse_win = gluon_selected_window_fwd(q, k, v, bits, doc_start, window, scale)
+    else:
+        o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
+        lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
+        lse_win = torch.empty_like(lse_slc)
+        triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
+                   lse_win=lse_win, launch=triton_common.op_launch)
     # The gated sum in torch: compiled, inductor fuses it with the caller's compressed term (in the kernel's
     # epilogue it made the forward 3% slower: a third [rows, D] store and 24 more registers).
     g = gates.to(q.dtype)
     return g[..., 0, None] * o_slc + g[..., 1, None] * o_win, o_slc, o_win, lse_slc, lse_win
+
+
+@torch.library.custom_op("nsa::gluon_selected_window_fwd", mutates_args=())
+def gluon_selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, window: int,
+                              scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """o_slc, o_win and their lse through the Gluon forward, for `selected_window_fwd`: an opaque custom op (inductor
+    cannot launch Gluon kernels)."""
+    from nsa_models.nsa import gluon_selected_window as gluon  # only here: CPU runs never load Gluon
+
+    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
+    lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
+    lse_win = torch.empty_like(lse_slc)
+    gluon.gluon_fwd(q, k, v, bits, doc_start, window, scale, o_slc, o_win, lse_slc, lse_win)
+    return o_slc, o_win, lse_slc, lse_win
+
+
+@gluon_selected_window_fwd.register_fake
+def _(q, k, v, bits, doc_start, window, scale):
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
 
 
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
