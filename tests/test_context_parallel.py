@@ -275,7 +275,7 @@ def test_cp_on_two_gpus_trains_as_one_gpu(plan, tmp_path):
         pytest.skip("needs 2 GPUs")
     common = [str(REPO / "recipes/nsa_125m.toml"), "--data.source", "synthetic", "--data.tokenizer", "byte",
               "--model.vocab_size", "50304", "--data.document_mask", "false", "--model.nsa.window_backend", "flex",
-              "--data.seq_len", "8192",
+              "--model.nsa.selected_kernels", "triton", "--data.seq_len", "8192",
               "--model.max_seq_len", "8192", "--training.micro_batch_size", "1", "--training.global_batch_tokens",
               "8192", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--training.eval_interval", "0",
               "--checkpoint.enable", "false", "--metrics.log_freq", "1", "--parallelism.data_parallel", plan]
