@@ -89,7 +89,8 @@ class NSAArgs:
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable path.
     Measured effect (docs/PERFORMANCE.md, one H200 each): nsa-125m +1.7% tokens/s at 2k, +5.3% at 8k (NSA / dense
-    0.82 -> 0.86); nsa-1b with full AC +3.2% at 8k, +2.6% at 32k."""
+    0.82 -> 0.86); nsa-1b with full AC +3.2% at 8k, +2.6% at 32k; with the fused sweep at 2k NSA / dense 0.75
+    against 0.70 (the nsa_125m recipes set it)."""
     query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
     window_only: bool = False
