@@ -318,9 +318,14 @@ def _launch(q: Tensor, k: Tensor, bits: Tensor, doc_start: Tensor | None, block_
                 DOC_MASK=doc_start is not None, num_warps=launch["num_warps"], num_stages=stages), triton.cdiv(T, QT)
 
 
-def _fwd_fake(q, k, v, gates, bits, doc_start, block_size, window, scale, kernels="triton"):
+def _branch_outputs(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty o_slc, o_win [B, T, HQ, D] (dtype of q) and lse_slc, lse_win [B, T, HQ] (fp32) for a forward kernel."""
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+
+
+def _fwd_fake(q, k, v, gates, bits, doc_start, block_size, window, scale, kernels="triton"):
+    return torch.empty_like(q), *_branch_outputs(q)
 
 
 @triton_common.kernel_op("nsa::selected_window_fwd", _fwd_fake)
@@ -336,9 +341,7 @@ def selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, bits: Te
     if kernels == "gluon_hopper":
         o_slc, o_win, lse_slc, lse_win = gluon_selected_window_fwd(q, k, v, bits, doc_start, window, scale)
     else:
-        o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
-        lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
-        lse_win = torch.empty_like(lse_slc)
+        o_slc, o_win, lse_slc, lse_win = _branch_outputs(q)
         triton_fwd(q, k, v, bits, doc_start, block_size, window, scale, o_slc=o_slc, o_win=o_win, lse_slc=lse_slc,
                    lse_win=lse_win, launch=triton_common.op_launch)
     # The gated sum in torch: compiled, inductor fuses it with the caller's compressed term (in the kernel's
@@ -354,17 +357,14 @@ def gluon_selected_window_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc
     cannot launch Gluon kernels)."""
     from nsa_models.nsa import gluon_selected_window as gluon  # only here: CPU runs never load Gluon
 
-    o_slc, o_win = torch.empty_like(q), torch.empty_like(q)
-    lse_slc = q.new_empty(q.shape[:3], dtype=torch.float32)
-    lse_win = torch.empty_like(lse_slc)
+    o_slc, o_win, lse_slc, lse_win = outputs = _branch_outputs(q)
     gluon.gluon_fwd(q, k, v, bits, doc_start, window, scale, o_slc, o_win, lse_slc, lse_win)
-    return o_slc, o_win, lse_slc, lse_win
+    return outputs
 
 
 @gluon_selected_window_fwd.register_fake
 def _(q, k, v, bits, doc_start, window, scale):
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(q), lse, torch.empty_like(lse)
+    return _branch_outputs(q)
 
 
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, doc_start: Tensor | None, block_size: int,
