@@ -13,8 +13,8 @@ Same contract as `nsa_reference`. Branches:
   (`"flash_attn"`), FlashAttention-4 (`"flash_attn_4"`, `fa4`; Hopper and newer) or the fused sweep's Gluon kernels
   without the selected branch (`"gluon_hopper"`, `triton_selected_window.window_sweep_attention`; Hopper); or, with
   `"fused_with_selected"`, in one sweep with the selected branch (`triton_selected_window.selected_window_attention`,
-  shared K/V, the two branches' gates applied in the op; under `selected_kernels = "gluon_hopper"` its dQ and dK/dV
-  kernels are `gluon_selected_window`'s).
+  shared K/V, the two branches' gates applied in the op; under `selected_kernels = "gluon_hopper"` its forward, dQ
+  and dK/dV kernels are `gluon_selected_window`'s).
   FlexAttention has no CPU backward, so CPU tensors (Triton interpreter tests) take the SDPA path; flash-attn needs
   a GPU.
 

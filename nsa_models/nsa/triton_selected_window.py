@@ -504,8 +504,8 @@ def selected_window_attention(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, bl
                               doc_start: Tensor | None = None, kernels: str = "triton") -> Tensor:
     """g_slc o_slc + g_win o_win [B, T, HQ, D]: the selected and window branches' outputs over the same k, v
     [B, T, H, D], each weighted by its gate (gates [B, T, HQ, 2]); block_indices [B, H, T, n] int64 (-1: none),
-    inside each query's document; doc_start [B, T] int32 (multiples of block_size) or None; kernels: the
-    backward's (`selected_window_bwd`: "gluon_hopper" runs Gluon's dQ and dK/dV, on Hopper)."""
+    inside each query's document; doc_start [B, T] int32 (multiples of block_size) or None; kernels: "gluon_hopper"
+    runs `gluon_selected_window`'s forward, dQ and dK/dV (Hopper), "triton" this module's."""
     B, T, HQ, D = q.shape
     check_fused(T, block_size)
     triton_common.check_batch_heads(B, k.shape[2], "selected + window attention")
