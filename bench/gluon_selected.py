@@ -34,7 +34,7 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     gluon_fwd_items,
 )
 from nsa_models.nsa.gluon_selected_window import gluon_bwd_dkdv, gluon_bwd_dq, gluon_fwd  # noqa: E402
-from nsa_models.nsa.triton_common import LOG2E  # noqa: E402
+from nsa_models.nsa.triton_common import LOG2E, softmax_delta  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
     _ITEM_ROWS_DQ,
@@ -179,7 +179,7 @@ def dkdv_launch(B: int, T: int, H: int, G: int, D: int, with_dq: bool, q_start: 
     del o_part, lse_part
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     do = torch.randn(fwd.q.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-    delta = (o.float() * do.float()).sum(-1)
+    delta = softmax_delta(o, do, None)
     rows = _ITEM_ROWS_DQ if with_dq and G >= 3 and D > 64 else _ITEM_ROWS
     items, query_slot, _ = reverse_index(fwd.block_indices, BS, fwd.k.shape[1])
     args = _item_args(fwd.q, fwd.k, N_SEL, items, query_slot, BS, (q_start, q_start), rows,
@@ -249,8 +249,7 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
     """(kernel, Triton ms, Gluon ms, GFLOP, the largest difference of Gluon's outputs from Triton's relative to their
     largest value) of one shape's fused forward, dQ and dK/dV kernels, the backward for a random dO of the gated
     output and random gates. GFLOP as the Triton kernels walk it: per (row, key) of the causal prefix 2 * D FLOPs a
-    product, and in the forward the window's keys one more (P_w V); the Gluon backward also runs dO_w v^T (and in
-    dK/dV P_w^T dO_w) a window key."""
+    product, and in the forward the window's keys one more (P_w V)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
@@ -272,8 +271,7 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
     triton_fwd(q, k, v, bits, None, BS, window, scale, **out_t)
     grads = dict(do=do, lse_slc=gated_lse(out_t["lse_slc"], gates[..., 0]),
                  lse_win=gated_lse(out_t["lse_win"], gates[..., 1]),
-                 delta_slc=(out_t["o_slc"].float() * do.float()).sum(-1),
-                 delta_win=(out_t["o_win"].float() * do.float()).sum(-1))
+                 delta_slc=softmax_delta(out_t["o_slc"], do, None), delta_win=softmax_delta(out_t["o_win"], do, None))
     dq_t, dq_g = torch.empty_like(q), torch.full_like(q, float("nan"))
     dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
     dk_g, dv_g = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
