@@ -16,8 +16,10 @@ query there: no causal compare a key); the window's steps feed both, from one S.
 
 dK/dV: one program per 64 keys walks the query tiles that see them (q and dO rows gathered by cp.async three tiles
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
-split the columns. The backward takes the gated output's dO and each branch's gated lse (`triton_selected_window.
-gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per tile for both branches.
+split the columns; P and dS alternate between two shared buffers, so a tile's dV and dK products run on while the
+next tile's P and dS are stored (one barrier a tile). The backward takes the gated output's dO and each branch's
+gated lse (`triton_selected_window.gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per
+tile for both branches.
 
 Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
 "gluon_hopper"`, all three (at head dim 64 under register caps that fit one more program per multiprocessor:
@@ -464,6 +466,29 @@ def _tile_ds(s, dp, tile, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_
     return p.to(gl.bfloat16), ds.to(gl.bfloat16)
 
 
+@gluon.jit
+def _dkdv_step(Q, DO, q_bufs, do_bufs, p_smem, k_smem, v_smem, dv, dk, tile, i, kb, b, h, bh, T, W, qk_scale, d,
+               BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+               QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DOC_MASK: gl.constexpr, s_l: gl.constexpr,
+               row_l: gl.constexpr, STAGES: gl.constexpr, SELECTED: gl.constexpr, WINDOW: gl.constexpr):
+    """Iteration i of the dK/dV walk (query tile `tile`, whose P and dS wait in buffer i % 2): retire tile i - 1's
+    dV and dK products (they read the stage the gather refills and the P buffer this step refills), gather ahead,
+    issue tile i + 1's S and dP and tile i's dV += P^T dO, dK += dS^T q, and compute tile i + 1's P and dS into the
+    other buffer while those run. The next step's barrier (in `_gather_ahead`) publishes the stores."""
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l, STAGES)
+    cur, nx, pb = i % STAGES, (i + 1) % STAGES, i % 2
+    s, dp = _issue_tile_products(q_bufs.index(nx), do_bufs.index(nx), k_smem, v_smem, s_l, BM, BN)
+    dv = warpgroup_mma(p_smem.index(2 * pb).permute((1, 0)), do_bufs.index(cur), dv, is_async=True)
+    dk = warpgroup_mma(p_smem.index(2 * pb + 1).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
+    p, ds = _tile_ds(s, dp, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
+                     H, G, QT, BM, BN, DOC_MASK, s_l, 2, SELECTED, WINDOW)
+    p_smem.index(2 - 2 * pb).store(p)
+    p_smem.index(3 - 2 * pb).store(ds)
+    fence_async_shared()
+    return dv, dk
+
+
 @gluon.jit(do_not_specialize=["T", "W"])
 def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, DK, DV, T, W,
                      qk_scale, scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, QT: gl.constexpr,
@@ -473,9 +498,10 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
     BN keys from the query tiles that see them, written once (without SELECTED the window's tiles alone). The
     tiles' q and dO rows arrive by cp.async three tiles deep; each iteration issues the next tile's S and dP
     products before this tile's dV += P^T dO and dK += dS^T q (P and dS of both branches summed: two products a
-    tile), and computes the next tile's P and dS while those run. S is [rows, keys] (per-row values cost two
-    registers a thread), and P^T, dS^T are transposed views of shared memory. On 8 warps the two warpgroups split
-    the columns of S, dP, dK and dV (4 warps spilled 152-188 B at D = 64)."""
+    tile), and computes the next tile's P and dS into the other of two buffers while those run (`_dkdv_step`). S
+    is [rows, keys] (per-row values cost two registers a thread), and P^T, dS^T are transposed views of shared
+    memory. On 8 warps the two warpgroups split the columns of S, dP, dK and dV (4 warps spilled 152-188 B at
+    D = 64)."""
     rows_l: gl.constexpr = _row_layout(D, NUM_WARPS)
     row_l: gl.constexpr = gl.SliceLayout(1, rows_l)
     s_l: gl.constexpr = _column_split_layout(BN, NUM_WARPS)
@@ -506,7 +532,7 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
 
     q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
     do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BN], p_sl)  # P and dS of the tile in flight
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BM, BN], p_sl)  # P and dS of two tiles: 2 j, 2 j + 1
     d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
     for stage in gl.static_range(STAGES - 1):
         _gather_tile(Q, DO, q_bufs.index(stage), do_bufs.index(stage), first + stage, b, h, T, d, H, G, D, QT, BM,
@@ -521,41 +547,20 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
     p_smem.index(0).store(p)
     p_smem.index(1).store(ds)
     fence_async_shared()
-    gl.thread_barrier()
 
-    dk = gl.zeros([BN, D], gl.float32, o_l)
-    dv = gl.zeros([BN, D], gl.float32, o_l)
-    # The window's tiles. Iteration i: gather tile i + STAGES - 1, issue tile i + 1's S and dP, then tile i's
-    # products; tile i + 1's P and dS while they run. (Tile i + 1 past the window or past T: P and dS 0.)
+    dk = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, o_l))
+    dv = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, o_l))
+    # The window's tiles, then the later ones (the selected branch alone).
     for tile in range(first, win_last + 1):
-        i = tile - first
-        _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l, STAGES)
-        cur, nx = i % STAGES, (i + 1) % STAGES
-        s, dp = _issue_tile_products(q_bufs.index(nx), do_bufs.index(nx), k_smem, v_smem, s_l, BM, BN)
-        dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), do_bufs.index(cur), dv, is_async=True)
-        dk = warpgroup_mma(p_smem.index(1).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-        p, ds = _tile_ds(s, dp, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
-                         DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, SELECTED, True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        p_smem.index(0).store(p)
-        p_smem.index(1).store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
-    if SELECTED:  # The later tiles: the selected branch alone.
+        dv, dk = _dkdv_step(Q, DO, q_bufs, do_bufs, p_smem, k_smem, v_smem, dv, dk, tile, tile - first, kb, b, h, bh,
+                            T, W, qk_scale, d, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, H, G, D, QT, BM,
+                            BN, DOC_MASK, s_l, row_l, STAGES, SELECTED, True)
+    if SELECTED:
         for tile in range(win_last + 1, n_tiles):
-            i = tile - first
-            _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H, G, D, QT, BM, row_l, STAGES)
-            cur, nx = i % STAGES, (i + 1) % STAGES
-            s, dp = _issue_tile_products(q_bufs.index(nx), do_bufs.index(nx), k_smem, v_smem, s_l, BM, BN)
-            dv = warpgroup_mma(p_smem.index(0).permute((1, 0)), do_bufs.index(cur), dv, is_async=True)
-            dk = warpgroup_mma(p_smem.index(1).permute((1, 0)), q_bufs.index(cur), dk, is_async=True)
-            p, ds = _tile_ds(s, dp, tile + 1, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC,
-                             DELTA_WIN, H, G, QT, BM, BN, DOC_MASK, s_l, 2, True, False)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            p_smem.index(0).store(p)
-            p_smem.index(1).store(ds)
-            fence_async_shared()
-            gl.thread_barrier()
+            dv, dk = _dkdv_step(Q, DO, q_bufs, do_bufs, p_smem, k_smem, v_smem, dv, dk, tile, tile - first, kb, b,
+                                h, bh, T, W, qk_scale, d, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, H, G, D,
+                                QT, BM, BN, DOC_MASK, s_l, row_l, STAGES, True, False)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     async_copy.wait_group(0)  # the gathers past the last tile
     mbarrier.invalidate(bar)
 
