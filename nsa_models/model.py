@@ -90,11 +90,25 @@ class Compression(nn.Module):
         n_blocks = self.nsa.num_cmp_blocks(T)
         if T < self.block:  # no complete block: an empty result that still carries phi in the graph
             x = F.pad(x, (0, 0, 0, 0, 0, self.block - T))
-        blocks = x.unfold(1, self.block, self.stride)[:, :n_blocks]  # [B, Nc, H, D, l]
         if self.kind == "mean":
-            return blocks.mean(-1)
-        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Nc, H, l, D]
-        return self.fc2(F.silu(self.fc1(blocks.flatten(-2))))
+            return x.unfold(1, self.block, self.stride)[:, :n_blocks].mean(-1)  # a view of [B, Nc, H, D, l]
+        return self.fc2(F.silu(self._fc1_of_blocks(x, n_blocks)))
+
+    def _fc1_of_blocks(self, x: Tensor, n_blocks: int) -> Tensor:
+        """fc1(block i + pos_emb, flattened) [B, Nc, H, hidden] without the blocks themselves. Block i is the m = l/d
+        chunks of d tokens i .. i+m-1 (d divides l), so fc1 splits into m products of a chunk with its columns of
+        fc1.weight, summed over shifted chunks, and pos_emb into a bias: unfolded blocks would copy every key twice
+        (at l = 2d) and their backward adds the copies back."""
+        B, _, H, D = x.shape
+        d, m = self.stride, self.block // self.stride
+        chunks = x[:, :(n_blocks + m - 1) * d].unflatten(1, (-1, d)).transpose(2, 3).flatten(-2)  # [B, Nc+m-1, H, dD]
+        weight = self.fc1.weight  # [hidden, l D]: columns (token of the block, dim)
+        per_chunk = F.linear(chunks, torch.cat(weight.split(d * D, dim=1)))  # [B, Nc+m-1, H, m * hidden]
+        per_chunk = per_chunk.unflatten(-1, (m, -1))
+        blocks = per_chunk[:, :n_blocks, :, 0] + (self.fc1.bias + torch.mv(weight, self.pos_emb.flatten()))
+        for j in range(1, m):
+            blocks = blocks + per_chunk[:, j:j + n_blocks, :, j]
+        return blocks
 
     def init_weights(self, std: float) -> None:
         if self.kind == "mlp":

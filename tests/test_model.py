@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
 from nsa_models.flops import flops_per_token
-from nsa_models.model import Transformer
+from nsa_models.model import Compression, Transformer
 
 TINY_NSA = NSAArgs(cmp_block_size=8, cmp_stride=4, sel_block_size=8, n_selected=3, window_size=8, query_chunk=16)
 
@@ -46,6 +47,36 @@ def test_causal(flavor, nsa):
         other = model(changed)
         torch.testing.assert_close(other[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-10)
         assert not torch.allclose(other[:, t + 1:], logits[:, t + 1:])
+
+
+def unfolded_phi(compression: Compression, x: Tensor) -> Tensor:
+    """The spec's phi, block by block: fc2(silu(fc1(flatten(x[i d : i d + l] + pos_emb)))) [B, Nc, H, D]."""
+    l, d = compression.block, compression.stride
+    n_blocks = compression.nsa.num_cmp_blocks(x.shape[1])
+    blocks = torch.stack([x[:, i * d:i * d + l] for i in range(n_blocks)], 1)  # [B, Nc, l, H, D]
+    blocks = blocks.transpose(2, 3) + compression.pos_emb  # [B, Nc, H, l, D]
+    return compression.fc2(F.silu(compression.fc1(blocks.flatten(-2))))
+
+
+@pytest.mark.parametrize("block, stride", [(8, 4), (8, 8), (16, 4)])
+@pytest.mark.parametrize("T", [16, 37, 64])
+def test_compression_equals_phi_of_each_block(block, stride, T):
+    """`Compression` never builds the blocks (fc1 as m = l/d products of chunks of d tokens): it equals phi of each
+    unfolded block, with every gradient, in float64."""
+    torch.manual_seed(0)
+    args = NSAArgs(cmp_block_size=block, cmp_stride=stride, sel_block_size=16, n_selected=2, window_size=16)
+    compression = Compression(args, head_dim=4).double()
+    compression.init_weights(0.5)
+    torch.nn.init.normal_(compression.fc1.bias)
+    x = torch.randn(2, T, 3, 4, dtype=torch.float64, requires_grad=True)
+    out, expected = compression(x), unfolded_phi(compression, x)
+    assert out.shape == expected.shape == (2, args.num_cmp_blocks(T), 3, 4)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), [x, *compression.parameters()])
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [x, *compression.parameters()])
+    for name, grad, expected_grad in zip(["x", *dict(compression.named_parameters())], grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("T", [40, 5], ids=["T>=l", "T<l"])
