@@ -99,8 +99,7 @@ class Compression(nn.Module):
         chunks of d tokens i .. i+m-1 (d divides l), so fc1 splits into m products of a chunk with its columns of
         fc1.weight, summed over shifted chunks, and pos_emb into a bias: unfolded blocks would copy every key twice
         (at l = 2d) and their backward adds the copies back."""
-        B, _, H, D = x.shape
-        d, m = self.stride, self.block // self.stride
+        D, d, m = x.shape[-1], self.stride, self.block // self.stride
         chunks = x[:, :(n_blocks + m - 1) * d].unflatten(1, (-1, d)).transpose(2, 3).flatten(-2)  # [B, Nc+m-1, H, dD]
         weight = self.fc1.weight  # [hidden, l D]: columns (token of the block, dim)
         per_chunk = F.linear(chunks, torch.cat(weight.split(d * D, dim=1)))  # [B, Nc+m-1, H, m * hidden]

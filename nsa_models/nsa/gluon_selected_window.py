@@ -550,7 +550,8 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
 
     dk = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, o_l))
     dv = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, o_l))
-    # The window's tiles, then the later ones (the selected branch alone).
+    # The window's tiles, then the later ones (the selected branch alone). (Tile i + 1 past the window or past T:
+    # P and dS 0.)
     for tile in range(first, win_last + 1):
         dv, dk = _dkdv_step(Q, DO, q_bufs, do_bufs, p_smem, k_smem, v_smem, dv, dk, tile, tile - first, kb, b, h, bh,
                             T, W, qk_scale, d, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN, H, G, D, QT, BM,
