@@ -271,7 +271,7 @@ def bench_length(T: int, B: int, HQ: int, H: int, D: int, documents: Sequence[in
                           ("SDPA cuDNN (dense)", SDPBackend.CUDNN_ATTENTION)):
         rows.append((name, *time_ms(*dense_causal(q, k, v, backend))))
     qh, kh, vh = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # [B, heads, T, D]
-    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device, _compile=True)
+    causal = torch.compile(create_block_mask)(lambda b, h, i, j: j <= i, None, None, T, T, device=device)
     flex = torch.compile(flex_attention, dynamic=False)
     rows.append(("FlexAttention (dense)",
                  *time_ms(lambda: flex(qh, kh, vh, block_mask=causal, enable_gqa=True), [qh, kh, vh])))

@@ -77,11 +77,10 @@ def _window_block_mask(seq_len: int, window: int, device: str, compile_mask: boo
         return sliding_window(b, h, q_idx, kv_idx) & (kv_idx >= doc_start[b, q_idx])
 
     kv_len = seq_len if kv_len is None else kv_len
+    build = torch.compile(create_block_mask) if compile_mask else create_block_mask
     if doc_start is None:
-        return create_block_mask(sliding_window, batch if per_row else None, None, seq_len, kv_len, device=device,
-                                 _compile=compile_mask)
-    return create_block_mask(document_window, doc_start.shape[0], None, seq_len, kv_len, device=device,
-                             _compile=compile_mask)
+        return build(sliding_window, batch if per_row else None, None, seq_len, kv_len, device=device)
+    return build(document_window, doc_start.shape[0], None, seq_len, kv_len, device=device)
 
 
 _cached_window_block_mask = functools.lru_cache(maxsize=8)(_window_block_mask)
