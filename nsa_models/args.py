@@ -84,12 +84,12 @@ class NSAArgs:
     """Key-block-major kernels of the `triton` backend's selected branch: the forward's item kernel and the
     backward's dK/dV kernel (`triton_selected`), or their Gluon versions written for Hopper (`gluon_selected`:
     cp.async gathers double-buffered, wgmma products); with window_backend = "fused_with_selected", that sweep's
-    forward, dQ and dK/dV kernels too (`gluon_selected_window`: 1.1-1.5x Triton's at nsa-125m's and nsa-1b's heads
-    on an H200, docs/KERNELS.md). The query-tile kernels and the rest stay Triton's. Gluon runs
+    forward, dQ and dK/dV kernels too (`gluon_selected_window`: 1.05-1.55x Triton's at nsa-125m's and nsa-1b's
+    heads on an H200, docs/KERNELS.md). The query-tile kernels and the rest stay Triton's. Gluon runs
     on CUDA GPUs of capability 9.x, bf16, head dim 64 or 128, sel_block_size 64 and at most 64 query heads per KV
     head; refused elsewhere, in one line at startup (no silent fallback). The Triton kernels stay the portable path.
     Measured effect (docs/PERFORMANCE.md, one H200 each): nsa-125m +1.7% tokens/s at 2k, +5.3% at 8k (NSA / dense
-    0.82 -> 0.86); nsa-1b with full AC +3.2% at 8k, +2.6% at 32k; with the fused sweep at 2k NSA / dense 0.75
+    0.82 -> 0.86); nsa-1b with full AC +3.2% at 8k, +2.6% at 32k; with the fused sweep at 2k NSA / dense 0.76
     against 0.70 (the nsa_125m recipes set it)."""
     query_chunk: Annotated[int, RESUMABLE] = field(default=512, metadata={"gt": 0})
     """Queries processed together by the reference backend; bounds its peak memory, not its result."""
