@@ -7,7 +7,9 @@ FLOPs forward (QK^T, PV), 8 * l' * D backward (QK^T, dO V^T, P^T dO, dS^T Q) and
 
 `fused`: the fused selected + window forward, dQ and dK/dV kernels, Triton's (`triton_selected_window.triton_fwd`,
 `triton_bwd_dq`, `triton_bwd_dkdv`) against Gluon's (`gluon_selected_window`) at 2k-4k, on random valid choices;
-TFLOP/s over the causal prefix they walk, and how far Gluon's outputs are from Triton's (`time_fused`).
+TFLOP/s over the causal prefix they walk, and how far Gluon's outputs are from Triton's (`time_fused`); then
+cuDNN's dense causal forward and backward on the same shape (`time_cudnn`), their speedup column cuDNN's time over
+the Gluon forward's and over its dQ + dK/dV (below 1: Gluon slower).
 
 Also the place the GPU test builds its launches from (`ItemLaunch`, `DkdvLaunch`), so both run the kernels exactly
 as the forward and backward ops do.
@@ -27,7 +29,9 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.attention import random_block_indices  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
+
+from bench.attention import dense_causal, random_block_indices  # noqa: E402
 from nsa_models.nsa.gluon_selected import (  # noqa: E402
     bwd_launch_shape,
     gluon_bwd_dkdv_items,
@@ -294,14 +298,38 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
     return rows
 
 
+def time_cudnn(B: int, T: int, H: int, G: int, D: int) -> tuple[float, float, float]:
+    """(forward ms, backward ms, forward GFLOP) of cuDNN's dense causal attention (SDPA, K/V repeated to the query
+    heads) on the same shape: the rate the sweep's kernels walk the same causal prefix against. Backward FLOPs are
+    2.5x the forward's (S recomputed, dP, dV, dK, dQ)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    sdpa, leaves = dense_causal(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    out = sdpa()
+    do = torch.randn_like(out)
+    forward = triton.testing.do_bench(sdpa)
+    backward = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+    t = torch.arange(T, dtype=torch.float64)
+    return forward, backward, 2 * 2 * D * B * H * G * float((t + 1).sum()) / 1e9
+
+
 def bench_fused() -> None:
-    print("fused selected + window kernels (error: Gluon's outputs against Triton's, relative to the largest)")
+    print("fused selected + window kernels (error: Gluon's outputs against Triton's, relative to the largest); "
+          "cuDNN: dense causal attention on the same shape, its backward against dQ + dK/dV")
     print(f"{'shape':<18} {'G':>2} {'D':>4} {'kernel':<8} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} "
-          f"{'triton TF/s':>12} {'gluon TF/s':>11} {'error':>8}")
+          f"{'triton TF/s':>12} {'gluon TF/s':>11} {'error':>8} {'cuDNN ms':>9} {'cuDNN TF/s':>11}")
     for label, B, T, H, G, D, window in FUSED_SHAPES:
-        for kernel, ms_triton, ms_gluon, gflop, error in time_fused(B, T, H, G, D, window):
+        rows = time_fused(B, T, H, G, D, window)
+        cudnn_fwd, cudnn_bwd, gflop_fwd = time_cudnn(B, T, H, G, D)
+        for kernel, ms_triton, ms_gluon, gflop, error in rows:
             print(f"{label:<18} {G:>2} {D:>4} {kernel:<8} {ms_triton:>10.3f} {ms_gluon:>9.3f} "
                   f"{ms_triton / ms_gluon:>7.2f}x {gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f} {error:>8.1e}")
+        gluon_bwd = sum(ms_gluon for kernel, _, ms_gluon, _, _ in rows if kernel != "forward")
+        for kernel, ms, gflop, gluon in (("forward", cudnn_fwd, gflop_fwd, rows[0][2]),
+                                         ("backward", cudnn_bwd, 2.5 * gflop_fwd, gluon_bwd)):
+            print(f"{label:<18} {G:>2} {D:>4} {kernel:<8} {'':>10} {gluon:>9.3f} {ms / gluon:>7.2f}x {'':>12} "
+                  f"{'':>11} {'':>8} {ms:>9.3f} {gflop / ms:>11.1f}")
         torch.cuda.empty_cache()
 
 
