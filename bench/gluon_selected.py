@@ -249,11 +249,13 @@ FUSED_SHAPES = [  # label, B, T, H (KV heads), G, D, window
 ]
 
 
-def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tuple[str, float, float, float, float]]:
-    """(kernel, Triton ms, Gluon ms, GFLOP, the largest difference of Gluon's outputs from Triton's relative to their
-    largest value) of one shape's fused forward, dQ and dK/dV kernels, the backward for a random dO of the gated
-    output and random gates. GFLOP as the Triton kernels walk it: per (row, key) of the causal prefix 2 * D FLOPs a
-    product, and in the forward the window's keys one more (P_w V)."""
+def time_fused(B: int, T: int, H: int, G: int, D: int, window: int
+               ) -> tuple[list[tuple[str, float, float, float, float]], tuple[float, float, float]]:
+    """Rows (kernel, Triton ms, Gluon ms, GFLOP, the largest difference of Gluon's outputs from Triton's relative to
+    their largest value) of one shape's fused forward, dQ and dK/dV kernels, the backward for a random dO of the
+    gated output and random gates; and cuDNN's forward ms, backward ms and forward GFLOP on the same q, k, v
+    (`time_cudnn`). GFLOP as the Triton kernels walk it: per (row, key) of the causal prefix 2 * D FLOPs a product,
+    and in the forward the window's keys one more (P_w V)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
@@ -295,23 +297,19 @@ def time_fused(B: int, T: int, H: int, G: int, D: int, window: int) -> list[tupl
         run_triton()
         run_gluon()
         rows.append((kernel, bench(run_triton), bench(run_gluon), 2 * D * flops / 1e9, rel(got, want)))
-    return rows
+    return rows, (*time_cudnn(q, k, v, do), 2 * 2 * D * pairs[0] / 1e9)
 
 
-def time_cudnn(B: int, T: int, H: int, G: int, D: int) -> tuple[float, float, float]:
-    """(forward ms, backward ms, forward GFLOP) of cuDNN's dense causal attention (SDPA, K/V repeated to the query
-    heads) on the same shape: the rate the sweep's kernels walk the same causal prefix against. Backward FLOPs are
-    2.5x the forward's (S recomputed, dP, dV, dK, dQ)."""
-    gen = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(B, T, H * G, D, device="cuda", generator=gen).bfloat16()
-    k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+def time_cudnn(q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> tuple[float, float]:
+    """(forward ms, backward ms) of cuDNN's dense causal attention (SDPA, K/V repeated to the query heads) on q, k, v
+    [B, T, heads, D] and the output gradient do: the rate the sweep's kernels walk the same causal prefix against.
+    Backward FLOPs are 2.5x the forward's (S recomputed, dP, dV, dK, dQ)."""
     sdpa, leaves = dense_causal(q, k, v, SDPBackend.CUDNN_ATTENTION)
     out = sdpa()
-    do = torch.randn_like(out)
+    do = do.transpose(1, 2).contiguous()  # the heads-first layout of SDPA's output
     forward = triton.testing.do_bench(sdpa)
     backward = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
-    t = torch.arange(T, dtype=torch.float64)
-    return forward, backward, 2 * 2 * D * B * H * G * float((t + 1).sum()) / 1e9
+    return forward, backward
 
 
 def bench_fused() -> None:
@@ -320,8 +318,7 @@ def bench_fused() -> None:
     print(f"{'shape':<18} {'G':>2} {'D':>4} {'kernel':<8} {'triton ms':>10} {'gluon ms':>9} {'speedup':>8} "
           f"{'triton TF/s':>12} {'gluon TF/s':>11} {'error':>8} {'cuDNN ms':>9} {'cuDNN TF/s':>11}")
     for label, B, T, H, G, D, window in FUSED_SHAPES:
-        rows = time_fused(B, T, H, G, D, window)
-        cudnn_fwd, cudnn_bwd, gflop_fwd = time_cudnn(B, T, H, G, D)
+        rows, (cudnn_fwd, cudnn_bwd, gflop_fwd) = time_fused(B, T, H, G, D, window)
         for kernel, ms_triton, ms_gluon, gflop, error in rows:
             print(f"{label:<18} {G:>2} {D:>4} {kernel:<8} {ms_triton:>10.3f} {ms_gluon:>9.3f} "
                   f"{ms_triton / ms_gluon:>7.2f}x {gflop / ms_triton:>12.1f} {gflop / ms_gluon:>11.1f} {error:>8.1e}")
