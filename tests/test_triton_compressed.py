@@ -17,7 +17,7 @@ from nsa_models.nsa import triton_common, triton_compressed, triton_selection
 from nsa_models.nsa.reference import compressed_branch, select_blocks
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selection import select_topn, selection_keys
-from tests.helpers import assert_valid_selection, reference_scores
+from tests.helpers import ROWS, assert_valid_selection, pack, reference_scores
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -102,6 +102,40 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     monkeypatch.setattr(triton_selection, "_TMA_BOX_ROWS", 0)
     monkeypatch.setattr(triton_selection, "_PIPELINE_MAX_GP", 0)
     assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
+
+
+# (G, l', n, documents' lengths per row or None, q_start): query tiles of 32 (G = 2) or 16 (G = 3, padded to 4)
+# positions. Each case has tiles whose every query has at most n candidates (written directly), tiles whose every
+# query has more (ranked) and tiles mixing both (ranked). With l' = 8 the last document of row 1 starts past the
+# first key tile of 16 selection blocks: its tiles' loops start at the second.
+ALL_CHOSEN_CASES = [(2, 16, 3, ROWS, 0), (3, 8, 4, [[20, 90, 29], [5, 128, 20]], 0), (3, 16, 3, None, 8)]
+
+
+@pytest.mark.parametrize("G,lp,n,rows,q_start", ALL_CHOSEN_CASES)
+def test_selection_where_tiles_choose_all_candidates(G: int, lp: int, n: int, rows: list | None, q_start: int,
+                                                      monkeypatch):
+    """The selection's indices equal the reference's and its entropy matches, whether a query tile chooses every
+    query's candidates or ranks them (or mixes queries of both kinds), with documents or a query offset."""
+    monkeypatch.setattr(triton_selection, "_KEYS", 16)  # 16 selection blocks a key tile: several in a row
+    l, d = 16, 8
+    args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=lp, n_selected=n)
+    B, T, H, D = 2, 157, 2, 16
+    doc_start = None if rows is None else pack(rows, T, lp)[0]
+    first = 0 if rows is None else doc_start // lp
+    count = (q_start + torch.arange(T)) // lp - first + 1  # each query's candidates
+    tiles = count.expand(B, T).split(64 // triton.next_power_of_2(G), dim=1)
+    assert {((c <= n).all().item(), (c > n).all().item()) for c in tiles} == {(True, False), (False, True),
+                                                                             (False, False)}
+    gen = torch.Generator().manual_seed(lp * 7 + G)
+    q = torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(B, args.num_cmp_blocks(q_start + T), H, D, generator=gen, dtype=torch.float64)
+    _, p_cmp = compressed_branch(q.view(B, T, H, G, D).permute(0, 2, 3, 1, 4), k.transpose(1, 2),
+                                 k.transpose(1, 2), q_start, args, doc_start)
+    want_entropy = torch.special.entr(p_cmp).sum(-1).permute(0, 3, 1, 2).reshape(B, T, H * G)
+    _, lse = compressed_attention_fwd(q.float(), k.float(), k.float(), l, d, D ** -0.5, doc_start, q_start)
+    idx, entropy = select_topn(q.float(), k.float(), lse, l, d, lp, n, D ** -0.5, doc_start, q_start)
+    assert torch.equal(idx, select_blocks(p_cmp.float(), q_start, q_start + T, l, d, lp, n, doc_start))
+    torch.testing.assert_close(entropy, want_entropy.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("wide_keys", [True, False], ids=["64-bit-keys", "32-bit-keys"])

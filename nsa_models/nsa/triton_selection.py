@@ -13,7 +13,8 @@ recent blocks, and makes one sort key per candidate block: the fp32 score's bits
 index, so that ranking the keys orders by score and breaks ties towards the lower index, as the reference's stable
 sort (64-bit keys, or 32-bit ones with the score's lowest bits dropped: `_wide_keys`). Each query keeps its top-n
 keys in registers, merged with one tile of candidates at a time (a bitonic merge). The same pass gives each query
-head's compressed-attention entropy (telemetry).
+head's compressed-attention entropy (telemetry). A tile whose every query has at most n candidates chooses them all:
+it writes them directly and its loop sums only the entropy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 _PIPELINE_MAX_GP = 8
 
 
+@triton.jit
+def _probabilities(q, K, lse, b, h, n0, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H: tl.constexpr,
+                   D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                   PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+    """The tile's compressed-attention probabilities p [BM, BN] of blocks [n0, n0 + BN) (0 where not visible) and
+    their scores s (log2 units, finite everywhere)."""
+    n = n0 + tl.arange(0, BN)
+    k = load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    visible = _sees(n[None, :], Q0 + t[:, None], NC, L, S) & row_ok[:, None]
+    if DOC_MASK:
+        visible &= n[None, :] >= first_cmp
+    return tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), s
+
+
 @triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD", "NS", "N_SEL", "IDX_BITS"])
 def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
@@ -56,71 +72,83 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
-    # overlap[i, j]: stride segments shared by compressed block i and selection block j of a tile (local
-    # indices; the tile's first block starts both), and spill[i]: those shared with the next tile's first.
-    i_loc = tl.arange(0, BN)[:, None]
-    j_loc = tl.arange(0, BJ)[None, :]
-    overlap = tl.maximum(tl.minimum(j_loc * PS + PS, i_loc + PB) - tl.maximum(j_loc * PS, i_loc), 0).to(tl.float32)
-    spill = tl.maximum(tl.arange(0, BN) + PB - BN, 0).to(tl.float32)
     tq = t0 + tl.arange(0, QB)  # the tile's query rows (at positions Q0 + tq)
     current = (Q0 + tq) // SEL
     t_last = Q0 + tl.minimum(t0 + QB, T) - 1  # the tile's last position
     n_vis = _n_visible(t_last, NC, L, S)
-    carry = tl.zeros([QB], tl.float32)
     plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
-    # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
-    KEY: tl.constexpr = tl.int64 if WIDE_KEYS else tl.int32
-    top = tl.full([QB, BJ], -1, KEY)
-    idx_mask = (tl.full([], 1, KEY) << IDX_BITS) - 1  # a key's IDX_BITS low bits: the block index's complement
-    drop = 0 if WIDE_KEYS else IDX_BITS  # 32-bit keys give up the score's lowest bits to the index
-    n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
+    rank = tl.arange(0, BJ)[None, :]
     j_lo = 0
     first = 0  # each query's first candidate: its document's first block
+    first_cmp = 0  # each row's first visible compressed block
+    tile_first = 0  # the tile's first query's document's first block (documents only start later along the tile)
     if DOC_MASK:
         first = (tl.load(DOC + b * T + tq, mask=tq < T, other=0) // SEL)[:, None]
         first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
+        tile_first = tl.load(DOC + b * T + t0) // SEL
         if not STORE_KEYS:  # the tiles before the tile's first document hold no candidate (and no overlap carry)
-            j_lo = tl.load(DOC + b * T + t0) // SEL // BJ * BJ
-    for j0 in range(j_lo, n_cols, BJ):
-        j = j0 + tl.arange(0, BJ)
-        score = tl.where(j_loc == 0, carry[:, None], 0.0)
-        carry = tl.zeros([QB], tl.float32)
-        # A tile none of whose blocks the queries see adds nothing; skipping it puts a branch around the key loads,
-        # which the pipeliner does not prefetch into (`_PIPELINE_MAX_GP`).
-        if PIPELINED or j0 * PS < n_vis:
-            n = j0 * PS + tl.arange(0, BN)
-            k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = _sees(n[None, :], Q0 + t[:, None], NC, L, S) & row_ok[:, None]
-            if DOC_MASK:
-                visible &= n[None, :] >= first_cmp
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            j_lo = tile_first // BJ * BJ
+    # A query with at most n candidates (its document's blocks up to its own) chooses them all, whatever the
+    # scores. The tile's last block minus tile_first bounds every query's count: when that is below n, the tile
+    # writes the candidates directly and its loop sums only the entropy's p * s.
+    if not STORE_KEYS and t_last // SEL - tile_first < N_SEL:
+        for n0 in range(j_lo * PS, n_vis, BN):
+            p, s = _probabilities(q, K, lse, b, h, n0, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H, D, L, S,
+                                  BN, BD, PRECISION, TMA, DOC_MASK)
             plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
-            # The group's heads share one selection: sum their rows (linear, so after the overlap product).
-            # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
-            # spilled registers and took 3x as long at 64k, and rounding p to tf32 (2^-11 relative) only
-            # reorders blocks whose scores tie to within that (measured: 0.4% of rows at 64k).
-            per_row = tl.dot(p, overlap, input_precision=PRECISION)
-            score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
-            carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
-        forced = (j[None, :] == first) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
-        score = tl.where(forced, float("inf"), score)
-        score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
-        if DOC_MASK:
-            score = tl.where(j[None, :] < first, float("-inf"), score)
-        # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
-        bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
-        key = ((bits >> drop).to(KEY) << IDX_BITS) | (idx_mask - j[None, :]).to(KEY)  # j: 64-bit, as the loop bound
-        if STORE_KEYS:
-            tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key, mask=(tq < T)[:, None] & (j < NS)[None, :])
-        # Bitonic top-k: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
-        # BJ largest of both as a bitonic sequence, which one merge (log2 BJ rounds) sorts descending again.
-        top = tl.bitonic_merge(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
-    rank = tl.arange(0, BJ)[None, :]
-    chosen = tl.where((top >= 0) & (rank < N_SEL), idx_mask - (top & idx_mask), NS)  # NS: none
-    chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
+        chosen = first + rank  # ascending, -1 padding last (past the query's own block), as the ranked path
+        chosen = tl.where(chosen <= current[:, None], chosen, -1).to(tl.int64)
+    else:
+        # overlap[i, j]: stride segments shared by compressed block i and selection block j of a tile (local
+        # indices; the tile's first block starts both), and spill[i]: those shared with the next tile's first.
+        i_loc = tl.arange(0, BN)[:, None]
+        j_loc = tl.arange(0, BJ)[None, :]
+        overlap = tl.maximum(tl.minimum(j_loc * PS + PS, i_loc + PB) - tl.maximum(j_loc * PS, i_loc), 0)
+        overlap = overlap.to(tl.float32)
+        spill = tl.maximum(tl.arange(0, BN) + PB - BN, 0).to(tl.float32)
+        carry = tl.zeros([QB], tl.float32)
+        # The running top-BJ keys of each query, descending; the initial ones decode as padding (-1).
+        KEY: tl.constexpr = tl.int64 if WIDE_KEYS else tl.int32
+        top = tl.full([QB, BJ], -1, KEY)
+        idx_mask = (tl.full([], 1, KEY) << IDX_BITS) - 1  # a key's IDX_BITS low bits: the block index's complement
+        drop = 0 if WIDE_KEYS else IDX_BITS  # 32-bit keys give up the score's lowest bits to the index
+        n_cols = tl.cdiv(NS, BJ) * BJ if STORE_KEYS else t_last // SEL + 1  # later blocks are all in the future
+        for j0 in range(j_lo, n_cols, BJ):
+            j = j0 + tl.arange(0, BJ)
+            score = tl.where(j_loc == 0, carry[:, None], 0.0)
+            carry = tl.zeros([QB], tl.float32)
+            # A tile none of whose blocks the queries see adds nothing; skipping it puts a branch around the key
+            # loads, which the pipeliner does not prefetch into (`_PIPELINE_MAX_GP`).
+            if PIPELINED or j0 * PS < n_vis:
+                p, s = _probabilities(q, K, lse, b, h, j0 * PS, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H,
+                                      D, L, S, BN, BD, PRECISION, TMA, DOC_MASK)
+                plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
+                # The group's heads share one selection: sum their rows (linear, so after the overlap product).
+                # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
+                # spilled registers and took 3x as long at 64k, and rounding p to tf32 (2^-11 relative) only
+                # reorders blocks whose scores tie to within that (measured: 0.4% of rows at 64k).
+                per_row = tl.dot(p, overlap, input_precision=PRECISION)
+                score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
+                carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
+            forced = (j[None, :] == first) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
+            score = tl.where(forced, float("inf"), score)
+            score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
+            if DOC_MASK:
+                score = tl.where(j[None, :] < first, float("-inf"), score)
+            # Non-negative fp32 scores order as their int32 bits; -inf becomes -1, below every other key.
+            bits = tl.where(score == float("-inf"), -1, score.to(tl.int32, bitcast=True))
+            key = ((bits >> drop).to(KEY) << IDX_BITS) | (idx_mask - j[None, :]).to(KEY)  # j: 64-bit, as the bound
+            if STORE_KEYS:
+                tl.store(KEYS + (bh * T + tq[:, None]) * NS + j[None, :], key,
+                         mask=(tq < T)[:, None] & (j < NS)[None, :])
+            # Bitonic top-k: with `top` descending and the tile's keys ascending, the element-wise maximum holds the
+            # BJ largest of both as a bitonic sequence, which one merge (log2 BJ rounds) sorts descending again.
+            top = tl.bitonic_merge(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
+        chosen = tl.where((top >= 0) & (rank < N_SEL), idx_mask - (top & idx_mask), NS)  # NS: none
+        chosen = tl.sort(chosen, dim=1)  # ascending, the padding last
+        chosen = tl.where(chosen == NS, -1, chosen).to(tl.int64)
     idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
-    tl.store(IDX + idx_ptr, tl.where(chosen == NS, -1, chosen), mask=(tq < T)[:, None] & (rank < N_SEL))
+    tl.store(IDX + idx_ptr, chosen, mask=(tq < T)[:, None] & (rank < N_SEL))
     tl.store(ENT + rows, (lse - plogp_sum) * 0.6931471805599453, mask=row_ok)
 
 
