@@ -232,10 +232,11 @@ def branch_rows(inputs: list[Tensor]) -> list[tuple[str, float | str, float | st
     q, k, v, k_cmp, v_cmp, gates = inputs
     scale = q.shape[-1] ** -0.5
     cmp = (NSA.cmp_block_size, NSA.cmp_stride)
-    rows = [(f"compressed ({NSA.cmp_backend})",
-             *time_ms(lambda: compressed_attention(q, k_cmp, v_cmp, NSA, scale)[0], [q, k_cmp, v_cmp]))]
+    g_cmp = gates.detach()[..., 0].sigmoid()  # the branch's gate, applied in its op (as `run_nsa`'s)
+    rows = [(f"compressed ({NSA.cmp_backend}), gated",
+             *time_ms(lambda: compressed_attention(q, k_cmp, v_cmp, g_cmp, NSA, scale)[0], [q, k_cmp, v_cmp]))]
     with torch.no_grad():
-        lse = compressed_attention(q, k_cmp, v_cmp, NSA, scale)[1]
+        lse = compressed_attention(q, k_cmp, v_cmp, g_cmp, NSA, scale)[1]
     rows.append(("selection: scores + top-n (triton)", *time_ms(
         lambda: select_topn(q, k_cmp, lse, *cmp, NSA.sel_block_size, NSA.n_selected, scale)[0], [], False)))
     lse = None  # free it before the next rows

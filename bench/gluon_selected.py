@@ -38,7 +38,7 @@ from nsa_models.nsa.gluon_selected import (  # noqa: E402
     gluon_fwd_items,
 )
 from nsa_models.nsa.gluon_selected_window import gluon_bwd_dkdv, gluon_bwd_dq, gluon_fwd  # noqa: E402
-from nsa_models.nsa.triton_common import LOG2E, softmax_delta  # noqa: E402
+from nsa_models.nsa.triton_common import LOG2E, gated_lse, softmax_delta  # noqa: E402
 from nsa_models.nsa.triton_selected import (  # noqa: E402
     _ITEM_ROWS,
     _ITEM_ROWS_DQ,
@@ -50,7 +50,6 @@ from nsa_models.nsa.triton_selected import (  # noqa: E402
 )
 from nsa_models.nsa.triton_selected_window import (  # noqa: E402
     chosen_bits,
-    gated_lse,
     triton_bwd_dkdv,
     triton_bwd_dq,
     triton_fwd,

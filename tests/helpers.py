@@ -1,6 +1,6 @@
 """Helpers shared by the test modules (no test module imports another): running train.py / run.sh and reading its
-tensorboard events, skipping without optional packages, packed documents, judging a top-n block selection, and one
-model block's logits and gradients.
+tensorboard events, skipping without optional packages, packed documents, the compressed op ungated, judging a top-n
+block selection, and one model block's logits and gradients.
 
 The brute-force NSA oracle lives beside this, in `tests/nsa_oracle.py`.
 """
@@ -122,6 +122,15 @@ def real_tokens(spans: list, seq_len: int, device: str = "cpu") -> Tensor:
         for start, length in row:
             mask[b, start:start + length] = 1
     return mask
+
+
+def ungated_compressed(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
+                       *args) -> tuple[Tensor, Tensor]:
+    """The compressed branch's o and lse through `compressed_attention_fwd` with every gate 1 (the op applies the
+    model's gate; these tests check the attention alone). args: the op's after scale (doc_start, q_start, ...)."""
+    from nsa_models.nsa.triton_compressed import compressed_attention_fwd  # only here: Triton is optional
+
+    return compressed_attention_fwd(q, k, v, q.new_ones(q.shape[:3]), block, stride, scale, *args)[:2]
 
 
 # --- top-n block selection -------------------------------------------------------------------------------------

@@ -111,19 +111,24 @@ def selected_chunked(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, block: int, c
     return out, dq, k32.grad, v32.grad
 
 
-def compressed_exact(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
-                     cot: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp32 compressed attention of q [B, T, HQ, D] over compressed k, v [B, Nc, H, D] (block i visible to query t
-    iff i * stride + block - 1 <= t): out, the natural-log lse [B, T, HQ] (-inf: no block visible; out 0 there),
-    and dq, dk, dv for the cotangent cot."""
+def compressed_oracle(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int) -> tuple[Tensor, Tensor]:
+    """Compressed attention of q [B, T, HQ, D] over compressed k, v [B, Nc, H, D] (block i visible to query t iff
+    i * stride + block - 1 <= t), differentiable, in the inputs' dtype: out and the natural-log lse [B, T, HQ]
+    (-inf: no block visible; out 0 there)."""
     B, T, HQ, D = q.shape
     H, n_cmp = k.shape[2], k.shape[1]
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     visible = torch.arange(n_cmp, device=q.device) * stride + block - 1 <= torch.arange(T, device=q.device)[:, None]
-    scores = torch.einsum("bthd,bshd->bhts", q32, k32.repeat_interleave(HQ // H, 2)) * D ** -0.5
+    scores = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(HQ // H, 2)) * D ** -0.5
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     probs = torch.exp(scores - torch.where(lse == float("-inf"), 0, lse)[..., None])
-    out = torch.einsum("bhts,bshd->bthd", probs, v32.repeat_interleave(HQ // H, 2))
+    return torch.einsum("bhts,bshd->bthd", probs, v.repeat_interleave(HQ // H, 2)), lse.transpose(1, 2)
+
+
+def compressed_exact(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int,
+                     cot: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`compressed_oracle` in fp32: out, lse, and dq, dk, dv for the cotangent cot."""
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out, lse = compressed_oracle(q32, k32, v32, block, stride)
     grads = torch.autograd.grad((out * cot.float()).sum(), (q32, k32, v32))
-    return out.detach(), lse.transpose(1, 2).detach(), *grads
+    return out.detach(), lse.detach(), *grads

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from bench.attention import random_block_indices
 from nsa_models.nsa import gluon_selected_window
-from nsa_models.nsa.triton_selected_window import chosen_bits, gated_lse, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
+from nsa_models.nsa.triton_common import gated_lse
+from nsa_models.nsa.triton_selected_window import chosen_bits, triton_bwd_dkdv, triton_bwd_dq, triton_fwd
 from tests.helpers import one_block_run, rel_err
 
 pytestmark = [

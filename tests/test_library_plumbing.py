@@ -21,8 +21,7 @@ from torch import Tensor
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import fa4
 from nsa_models.nsa.triton_backend import window_attention
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd
-from tests.helpers import ROWS, T_CPU, pack, real_tokens, rel_err
+from tests.helpers import ROWS, T_CPU, pack, real_tokens, rel_err, ungated_compressed
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter test; on a GPU the real FA4 kernels are tested")
@@ -132,7 +131,7 @@ def test_fa4_compressed_plumbing_matches_triton(fa4_stand_in, blocks: tuple, doc
     cot = torch.randn(q.shape, generator=gen) * (real_tokens(spans, T_CPU) if documents else 1)
     docs = doc_start if documents else None
     results = []
-    for run in (lambda: compressed_attention_fwd(q, k, v, l, d, D ** -0.5, docs),
+    for run in (lambda: ungated_compressed(q, k, v, l, d, D ** -0.5, docs),
                 lambda: fa4.fa4_compressed_attention(q, k, v, l, d, D ** -0.5, True, docs, lp)):
         o, lse = run()
         results.append((o, lse, *torch.autograd.grad((o * cot).sum() + lse.nan_to_num(0, 0, 0).sum(), (q, k, v))))

@@ -17,7 +17,8 @@ from nsa_models.nsa import triton_common, triton_compressed, triton_selection
 from nsa_models.nsa.reference import compressed_branch, select_blocks
 from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selection import select_topn, selection_keys
-from tests.helpers import ROWS, assert_valid_selection, pack, reference_scores
+from tests.helpers import ROWS, assert_valid_selection, pack, reference_scores, ungated_compressed
+from tests.nsa_oracle import compressed_oracle
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -25,6 +26,13 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def random_gate(B: int, T: int, HQ: int, gen: torch.Generator) -> torch.Tensor:
+    """A compressed gate [B, T, HQ] (fp64, as sigmoids give: in [0, 1)), exactly 0 on about a quarter of the rows:
+    their gated lse is +inf, yet the gate's own gradient rowsum(o dO) must still come."""
+    gate = torch.rand(B, T, HQ, generator=gen, dtype=torch.float64)
+    return gate.masked_fill(torch.rand(gate.shape, generator=gen) < 0.25, 0)
 
 
 def reference(q, k, v, args):
@@ -69,18 +77,21 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     n_cmp = args.num_cmp_blocks(T)
     q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     k, v = (torch.randn(B, n_cmp, H, D, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    gate = random_gate(B, T, H * G, gen).requires_grad_()
     want_o, p_cmp, want_entropy = reference(q, k, v, args)
+    want_o = gate[..., None] * want_o
 
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    o, lse = compressed_attention_fwd(q32, k32, v32, l, d, D ** -0.5)
+    q32, k32, v32, gate32 = (x.detach().float().requires_grad_() for x in (q, k, v, gate))
+    o, lse, _ = compressed_attention_fwd(q32, k32, v32, gate32, l, d, D ** -0.5)
     assert rel_err(o, want_o) <= 1e-5
-    # lse is -inf exactly where the query sees no block (t < l - 1), finite elsewhere.
+    # lse (ungated: the selection's) is -inf exactly where the query sees no block (t < l - 1), finite elsewhere.
     assert torch.equal(torch.isinf(lse), (torch.arange(T) < l - 1).view(1, T, 1).expand_as(lse))
 
+    # The gated output's gradients: the kernels take dO as it is and the gate through the gated lse.
     cot = torch.randn_like(want_o)
-    want = torch.autograd.grad((want_o * cot).sum(), (q, k, v))
-    got = torch.autograd.grad((o * cot.float()).sum(), (q32, k32, v32))
-    for name, g, w in zip("qkv", got, want):
+    want = torch.autograd.grad((want_o * cot).sum(), (q, k, v, gate))
+    got = torch.autograd.grad((o * cot.float()).sum(), (q32, k32, v32, gate32))
+    for name, g, w in zip(["q", "k", "v", "gate"], got, want):
         assert rel_err(g, w) <= 1e-5, f"d{name}: rel err {rel_err(g, w):.2e}"
 
     idx, entropy = select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)
@@ -132,7 +143,7 @@ def test_selection_where_tiles_choose_all_candidates(G: int, lp: int, n: int, ro
     _, p_cmp = compressed_branch(q.view(B, T, H, G, D).permute(0, 2, 3, 1, 4), k.transpose(1, 2),
                                  k.transpose(1, 2), q_start, args, doc_start)
     want_entropy = torch.special.entr(p_cmp).sum(-1).permute(0, 3, 1, 2).reshape(B, T, H * G)
-    _, lse = compressed_attention_fwd(q.float(), k.float(), k.float(), l, d, D ** -0.5, doc_start, q_start)
+    _, lse = ungated_compressed(q.float(), k.float(), k.float(), l, d, D ** -0.5, doc_start, q_start)
     idx, entropy = select_topn(q.float(), k.float(), lse, l, d, lp, n, D ** -0.5, doc_start, q_start)
     assert torch.equal(idx, select_blocks(p_cmp.float(), q_start, q_start + T, l, d, lp, n, doc_start))
     torch.testing.assert_close(entropy, want_entropy.float(), rtol=1e-5, atol=1e-5)
@@ -146,17 +157,47 @@ def test_many_queries_share_one_block_and_ties_break_low(wide_keys: bool, monkey
     B, T, H, G, D = 1, 160, 1, 2, 16
     q = torch.randn(B, T, H * G, D)
     k = torch.randn(1, 1, 1, D).expand(B, args.num_cmp_blocks(T), H, D).contiguous()
-    o, lse = compressed_attention_fwd(q, k, k, 16, 16, D ** -0.5)
+    _, lse = ungated_compressed(q, k, k, 16, 16, D ** -0.5)
     idx, _ = select_topn(q, k, lse, 16, 16, 16, 4, D ** -0.5)
     _, p_cmp, _ = reference(q.double(), k.double(), k.double(), args)
     assert torch.equal(idx, select_blocks(p_cmp.float(), 0, T, 16, 16, 16, 4))
     assert idx[0, 0, 100].tolist() == [0, 1, 5, 6]  # forced 0, 5, 6; the tie among 1..4 goes to block 1
 
 
+@pytest.mark.parametrize("loss", ["out+lse", "lse"])
+def test_lse_gradient_with_a_gate(loss: str):
+    """An lse cotangent (with or without the gated output's): dS gains dlse P, which the gated probabilities g P
+    cannot carry where g = 0, so the op takes the ungated lse against g dO. q, k, v and gate gradients, the gate's
+    zeros included, against the fp64 oracle."""
+    B, T, H, G, D, l, d = 1, 70, 2, 3, 16, 32, 16
+    gen = torch.Generator().manual_seed(3)
+    n_cmp = NSAArgs(cmp_block_size=l, cmp_stride=d).num_cmp_blocks(T)
+    q = (torch.randn(B, T, H * G, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    k, v = (torch.randn(B, n_cmp, H, D, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    gate = random_gate(B, T, H * G, gen).requires_grad_()
+    cot = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    cot_lse = torch.randn(gate.shape, generator=gen, dtype=torch.float64)
+
+    def objective(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        lse_term = (torch.where(lse.isinf(), 0, lse) * cot_lse.to(lse.dtype)).sum()  # -inf rows: no gradient
+        return lse_term + (o * cot.to(o.dtype)).sum() if loss == "out+lse" else lse_term
+
+    want_o, want_lse = compressed_oracle(q, k, v, l, d)
+    want = torch.autograd.grad(objective(gate[..., None] * want_o, want_lse), (q, k, v, gate),
+                               materialize_grads=True)  # lse alone: no gradient of the gate (the op's: exact 0)
+    q32, k32, v32, gate32 = (x.detach().float().requires_grad_() for x in (q, k, v, gate))
+    got = torch.autograd.grad(objective(*compressed_attention_fwd(q32, k32, v32, gate32, l, d, D ** -0.5)[:2]),
+                              (q32, k32, v32, gate32))
+    for name, g, w in zip(["q", "k", "v", "gate"], got, want):
+        assert rel_err(g, w) <= 1e-5, f"d{name}: rel err {rel_err(g, w):.2e}"
+
+
 def test_rejects_unsupported_shapes():
     q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 1, 1, 16)
     with pytest.raises(ValueError, match="power of two"):
-        compressed_attention_fwd(q, k, k, 36, 12, 0.25)
+        compressed_attention_fwd(q, k, k, torch.ones(1, 8, 2), 36, 12, 0.25)
+    with pytest.raises(ValueError, match=r"gate \(1, 8\) must be \[B, T, HQ\]"):
+        compressed_attention_fwd(q, k, k, torch.ones(1, 8), 32, 16, 0.25)
     with pytest.raises(ValueError, match="at most"):
         select_topn(q, k, torch.zeros(1, 8, 2), 128, 16, 64, 2, 0.25)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from nsa_models.args import NSAArgs
 from nsa_models.nsa import fa4, triton_compressed, triton_selection, varlen
 from nsa_models.nsa.triton_backend import nsa_triton
-from nsa_models.nsa.triton_compressed import _document_ends, compressed_attention_fwd
+from nsa_models.nsa.triton_compressed import _document_ends
 from nsa_models.nsa.triton_selection import select_topn
 from tests.helpers import (
     ROWS,
@@ -31,6 +31,7 @@ from tests.helpers import (
     real_tokens,
     reference_scores,
     rel_err,
+    ungated_compressed,
 )
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -86,7 +87,7 @@ def test_compressed_attention_and_selection_per_document(G: int, keys: int, bloc
     q = (torch.randn(B, T, H * G, D, generator=gen) * 2).requires_grad_()
     k, v = (torch.randn(B, args.num_cmp_blocks(T), H, D, generator=gen).requires_grad_() for _ in range(2))
     cot = torch.randn(q.shape, generator=gen) * real_tokens(spans, T)
-    o, lse = compressed_attention_fwd(q, k, v, l, d, D ** -0.5, doc_start)
+    o, lse = ungated_compressed(q, k, v, l, d, D ** -0.5, doc_start)
     grads = torch.autograd.grad((o * cot).sum(), (q, k, v))
     idx, entropy = select_topn(q.detach(), k.detach(), lse, l, d, lp, n, D ** -0.5, doc_start)
     assert torch.isfinite(o).all()
@@ -95,7 +96,7 @@ def test_compressed_attention_and_selection_per_document(G: int, keys: int, bloc
             rows = slice(start, start + length)
             qa = cut(q, b, start, length, args, False)
             ka, va = (cut(x, b, start, length, args, True) for x in (k, v))
-            oa, lse_a = compressed_attention_fwd(qa, ka, va, l, d, D ** -0.5)
+            oa, lse_a = ungated_compressed(qa, ka, va, l, d, D ** -0.5)
             want = torch.autograd.grad((oa * cot[b:b + 1, rows]).sum(), (qa, ka, va))
             idx_a, entropy_a = select_topn(qa.detach(), ka.detach(), lse_a, l, d, lp, n, D ** -0.5)
             doc = f"document ({b}, {start}, {length})"

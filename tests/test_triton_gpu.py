@@ -14,10 +14,9 @@ from nsa_models.args import NSAArgs
 from nsa_models.nsa.fa4 import fa4_compressed_attention
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton, window_block_mask
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
 from nsa_models.nsa.triton_selection import select_topn
-from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores
+from tests.helpers import assert_valid_selection, needs_flash_attn_4, reference_scores, ungated_compressed
 
 pytestmark = pytest.mark.gpu
 
@@ -158,7 +157,7 @@ def test_compressed_long_sequence(cmp_backend: str):
     (fp32), the selection against the reference's scores, and a bitwise reproducible backward."""
     if cmp_backend == "flash_attn_4":
         needs_flash_attn_4()
-    compressed_attention = compressed_attention_fwd if cmp_backend == "triton" else fa4_compressed_attention
+    compressed_attention = ungated_compressed if cmp_backend == "triton" else fa4_compressed_attention
     B, T, H, G, D, l, d = 1, 65536, 1, 16, 128, 32, 16
     args = NSAArgs(cmp_block_size=l, cmp_stride=d, sel_block_size=64, n_selected=16)
     n_cmp = args.num_cmp_blocks(T)

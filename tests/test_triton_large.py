@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from bench.attention import random_block_indices
 from nsa_models.args import NSAArgs
 from nsa_models.nsa.triton_backend import window_attention
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention
 from nsa_models.nsa.triton_selection import select_topn
-from tests.helpers import assert_valid_selection, reference_scores, rel_err
+from tests.helpers import assert_valid_selection, reference_scores, rel_err, ungated_compressed
 from tests.nsa_oracle import compressed_exact, selected_chunked
 
 pytestmark = pytest.mark.gpu
@@ -81,7 +80,7 @@ def test_compressed_and_selection_past_2_31():
     q = leaves(B, T, H, G, D, seed=2)[0]
     assert q.numel() > INT32_ELEMENTS
     k, v = (x[:, :args.num_cmp_blocks(T)].detach().clone().requires_grad_() for x in leaves(B, T, H, 1, D, 3)[1:])
-    out, lse = compressed_attention_fwd(q, k, v, args.cmp_block_size, args.cmp_stride, D ** -0.5)
+    out, lse = ungated_compressed(q, k, v, args.cmp_block_size, args.cmp_stride, D ** -0.5)
     cot = torch.randn_like(out)
     got = [out, *torch.autograd.grad(out, (q, k, v), cot)]
     idx, entropy = select_topn(q.detach(), k.detach(), lse, args.cmp_block_size, args.cmp_stride,

@@ -15,9 +15,9 @@ from nsa_models.nsa import triton_selected
 from nsa_models.nsa.reference import nsa_reference
 from nsa_models.nsa.triton_backend import nsa_triton
 from nsa_models.nsa.triton_common import head_rows_operand
-from nsa_models.nsa.triton_compressed import compressed_attention_fwd
 from nsa_models.nsa.triton_selected import selected_attention, selected_attention_fwd, work_lists
 from nsa_models.nsa.triton_selection import select_topn
+from tests.helpers import ungated_compressed
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests; with a GPU, test_triton_gpu.py runs instead")
@@ -172,7 +172,7 @@ def test_kernels_refuse_more_sequence_heads_than_the_grid_holds():
     with pytest.raises(ValueError, match=r"^selected attention: batch 32768 x 2 KV heads = 65536 exceeds the 65535"):
         selected_attention(q, k, k, torch.zeros(B, H, 1, 3, dtype=torch.int64), BS)
     with pytest.raises(ValueError, match=r"^compressed attention: batch 32768 x 2 KV heads = 65536 exceeds"):
-        compressed_attention_fwd(q, k, k, 32, 16, D ** -0.5)
+        ungated_compressed(q, k, k, 32, 16, D ** -0.5)
     with pytest.raises(ValueError, match=r"^selection: batch 32768 x 2 KV heads = 65536 exceeds"):
         select_topn(q, k, torch.zeros(B, 1, H), 32, 16, 64, 16, D ** -0.5)
 
@@ -197,8 +197,11 @@ def test_tile_row_bits():
     assert triton_selected._tile_blocks(idx, n_blocks, 1)[2].numel() == 0
 
 
-def test_backend_matches_reference():
-    """Full `triton` backend (window through masked SDPA on CPU): same blocks, output and every gradient."""
+@pytest.mark.parametrize("gates", ["random", "zero_cmp"])
+def test_backend_matches_reference(gates: str):
+    """Full `triton` backend (window through masked SDPA on CPU): same blocks, output and every gradient, the
+    gates' included. zero_cmp: the compressed gate exactly 0 everywhere (its op's gated lse +inf): the branch adds
+    nothing to the output and to dq, dk_cmp, dv_cmp, and its gate still gets rowsum(o_cmp dO)."""
     args = NSAArgs(cmp_block_size=32, cmp_stride=16, sel_block_size=BS, n_selected=3, window_size=24,
                    window_backend="flex", query_chunk=40)
     B, T, H, G, D = 1, 70, 2, 2, 16
@@ -207,6 +210,8 @@ def test_backend_matches_reference():
     shapes = [(B, T, H * G, D)] + [(B, T, H, D)] * 4 + [(B, n_cmp, H, D)] * 2
     inputs = [torch.randn(s, generator=gen) * (3.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
     inputs.append(torch.rand(B, T, H * G, 3, generator=gen))
+    if gates == "zero_cmp":
+        inputs[-1][..., 0] = 0
     inputs = [x.requires_grad_() for x in inputs]
     inputs64 = [x.detach().double().requires_grad_() for x in inputs]
 
@@ -220,6 +225,9 @@ def test_backend_matches_reference():
     want_grads = torch.autograd.grad((want * cot).sum(), inputs64)
     names = ["q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates"]
     for name, g, w in zip(names, grads, want_grads):
+        if not w.any():  # k_cmp, v_cmp under a zero gate: exactly no gradient
+            assert not g.any(), f"grad of {name} should be 0"
+            continue
         assert rel_err(g, w) <= 1e-4, f"grad of {name}: rel err {rel_err(g, w):.2e}"
 
 

@@ -18,7 +18,7 @@ dK/dV: one program per 64 keys walks the query tiles that see them (q and dO row
 deep), the next tile's S and dP issued before this tile's dV += P^T dO and dK += dS^T q, on two warpgroups that
 split the columns; P and dS alternate between two shared buffers, so a tile's dV and dK products run on while the
 next tile's P and dS are stored (one barrier a tile). The backward takes the gated output's dO and each branch's
-gated lse (`triton_selected_window.gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per
+gated lse (`triton_common.gated_lse`): one dP = dO v^T a step and, in dK/dV, one P = g_s P_s + g_w P_w per
 tile for both branches.
 
 Routed (docs/KERNELS.md has the figures): under `window_backend = "fused_with_selected"` with `selected_kernels =
@@ -627,8 +627,8 @@ def gluon_bwd_dq(q: Tensor, k: Tensor, v: Tensor, bits: Tensor | None, doc_start
                  scale: float, do: Tensor, lse_slc: Tensor | None, lse_win: Tensor, delta_slc: Tensor | None,
                  delta_win: Tensor, dq: Tensor) -> None:
     """Launch the Gluon dQ kernel into dq [B, T, HQ, D], as `selected_window_bwd` launches the Triton one: the
-    forward's inputs, the gated output's dO (contiguous), each branch's gated lse (`gated_lse`) and delta
-    [B, T, HQ] (fp32); the selected branch's None with bits None (the window alone)."""
+    forward's inputs, the gated output's dO (contiguous), each branch's gated lse (`triton_common.gated_lse`) and
+    delta [B, T, HQ] (fp32); the selected branch's None with bits None (the window alone)."""
     grid, meta = _launch_args(q, k, bits, doc_start, "dq")
     _bwd_dq_kernel[grid](q, _step_descriptor(k), _step_descriptor(v), _or(bits, lse_win), _or(doc_start, lse_win),
                          do, _or(lse_slc, lse_win), lse_win, _or(delta_slc, delta_win), delta_win, dq, q.shape[1],

@@ -2,9 +2,10 @@
 kernels for the window (and, when chosen, FlashAttention-4 for the compressed branch).
 
 Same contract as `nsa_reference`. Branches:
-- compressed attention: `triton_compressed.compressed_attention_fwd` (triton_op, deterministic backward), or
-  FlashAttention-4 over queries packed as heads (`cmp_backend = "flash_attn_4"`, `fa4.fa4_compressed_attention`);
-  either also returns the log-sum-exp the selection needs;
+- compressed attention: `triton_compressed.compressed_attention_fwd` (triton_op, deterministic backward; its
+  gate applied in the op, so that its backward reads the block's dO as it is), or FlashAttention-4 over queries
+  packed as heads (`cmp_backend = "flash_attn_4"`, `fa4.fa4_compressed_attention`; gated in torch); either also
+  returns the log-sum-exp the selection needs;
 - selection scores and top-n: `triton_selection.select_topn` (triton_op; the ranking and tie-break of the
   reference's `select_blocks`, from the same probabilities summed in another order);
 - selected attention: `triton_selected.selected_attention` (custom op, deterministic backward; with
@@ -141,14 +142,16 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, args: NSAArgs, block_mask:
     return out.transpose(1, 2)
 
 
-def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, args: NSAArgs, scale: float,
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor, args: NSAArgs, scale: float,
                          doc_start: Tensor | None = None, q_start: int | tuple[int, int] = 0) -> tuple[Tensor, Tensor]:
-    """The compressed branch through `args.cmp_backend`: o [B, T, HQ, D] and the natural-log lse [B, T, HQ]."""
+    """The compressed branch through `args.cmp_backend`, weighted by its gate [B, T, HQ] (dtype of q): g_cmp o
+    [B, T, HQ, D] and the natural-log lse [B, T, HQ] of o."""
     if args.cmp_backend == "flash_attn_4":
-        return fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
-                                        not args.float_atomics, doc_start, args.sel_block_size)
-    return compressed_attention_fwd(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale, doc_start,
-                                    *query_offsets(q_start))
+        o, lse = fa4_compressed_attention(q, k_cmp, v_cmp, args.cmp_block_size, args.cmp_stride, scale,
+                                          not args.float_atomics, doc_start, args.sel_block_size)
+        return gate[..., None] * o, lse
+    return compressed_attention_fwd(q, k_cmp, v_cmp, gate, args.cmp_block_size, args.cmp_stride, scale, doc_start,
+                                    *query_offsets(q_start))[:2]
 
 
 def check_query_offset(args: NSAArgs) -> None:
@@ -186,12 +189,12 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
     if any(query_offsets(q_start)):
         check_query_offset(args)
     scale = q.shape[-1] ** -0.5
-    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, args, scale, doc_start, q_start)
+    g = gates.to(q.dtype)
+    gated_cmp, lse = compressed_attention(q, k_cmp, v_cmp, g[..., 0], args, scale, doc_start, q_start)
     # The selection is not differentiated (the spec's top-n is piecewise constant): detached inputs.
     chosen, entropy = select_topn(q.detach(), k_cmp.detach(), lse.detach(), args.cmp_block_size, args.cmp_stride,
                                   args.sel_block_size, args.n_selected, scale, doc_start, *query_offsets(q_start))
     block_indices = chosen if block_indices is None else block_indices
-    g = gates.to(q.dtype)
     if args.window_backend == "fused_with_selected":
         if k_win is not k_slc or v_win is not v_slc:
             raise ValueError("model.nsa.window_backend = 'fused_with_selected' needs the window's keys and values to "
@@ -199,7 +202,7 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
         # The sweep applies the selected and window gates itself (its backward shares dP and dV between them).
         o_sw = selected_window_attention(q, k_slc, v_slc, g[..., 1:], block_indices, args.sel_block_size,
                                          args.window_size, scale, doc_start, args.selected_kernels)
-        return g[..., 0, None] * o_cmp + o_sw, block_indices, entropy
+        return gated_cmp + o_sw, block_indices, entropy
     o_win = window_attention(q, k_win, v_win, args, window_mask, doc_start, q_start)
     # Chosen here (not given), so rows with at most n candidates hold them all.
     if args.selected_from_window and block_indices is chosen and k_win is k_slc and v_win is v_slc:
@@ -211,5 +214,5 @@ def nsa_triton(q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Te
     else:
         o_slc = selected_attention(q, k_slc, v_slc, block_indices, args.sel_block_size, scale, q_start,
                                    kernels=args.selected_kernels)
-    out = g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
+    out = gated_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
     return out, block_indices, entropy

@@ -1,6 +1,6 @@
 """Triton helpers shared by the compressed (`triton_compressed`), selection (`triton_selection`) and selected
 (`triton_selected`) NSA kernels: key/value row loads (pointer or TMA), the streaming softmax and its backward's
-per-row inputs.
+per-row inputs (delta, the gated lse).
 
 Layouts as the kernels': q, o [B, T, HQ, D]; k, v [B, N, H, D] (N: tokens or compressed blocks).
 """
@@ -205,6 +205,14 @@ def softmax_delta(o: Tensor, do: Tensor, dlse: Tensor | None) -> Tensor:
     cotangent shifts it)."""
     delta = (o.float() * do.float()).sum(-1)
     return delta if dlse is None else delta - dlse
+
+
+def gated_lse(lse: Tensor, gate: Tensor) -> Tensor:
+    """A branch's lse less ln(gate) [B, T, HQ] (fp32; +inf where the gate is 0): exp(s - it) is the gated
+    probability g P, so the backward kernels take the gates through it and read the gated output's dO as it is
+    (the compressed op and the selected + window sweep). Gates are >= 0 (sigmoids)."""
+    g = gate.float()
+    return torch.where(g > 0, lse - g.log(), float("inf"))
 
 
 def document_query_ends(doc_start: Tensor, step: int) -> Tensor:

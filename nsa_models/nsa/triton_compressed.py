@@ -21,7 +21,12 @@ rows into [QB, GP]). Key/value tiles come through TMA descriptors made on the de
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
   tiles that some row of the tile cannot fully see are masked (the last ones of a query tile; in dK/dV the
-  first query steps after a key tile): the others skip the per-element visibility test.
+  first query steps after a key tile): the others skip the per-element visibility test. The op applies the
+  branch's gate (g_cmp o, in torch), as the selected + window sweep does its two, so that its backward reads
+  the block's dO itself: the kernels see g P through the gated lse (`triton_common.gated_lse`), and
+  rowsum(o dO) is both their softmax delta and the gate's gradient. Gated in torch outside the op, the compiled
+  backward wrote g dO [B, T, HQ, D] once for each backward kernel, and ran a kernel of its own for the gate's
+  gradient.
 - Backward: dQ with the forward's grid; dK/dV with one program per (KV head, tile of compressed blocks, chunk of
   queries) writing fp32 partial sums, added in a fixed order: no atomics, bitwise reproducible. The dK/dV
   program computes the transposed scores (keys x query rows), so that every product has the key tile as its
@@ -310,13 +315,15 @@ def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict
     return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype))
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, doc_start: Tensor | None = None,
-           q_start: int = 0, q_start_odd: int | None = None) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, block: int, stride: int,
+           doc_start: Tensor | None = None, q_start: int = 0, q_start_odd: int | None = None) -> None:
     B, T, HQ, D = q.shape
     H = k.shape[2]
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or v.shape != k.shape or HQ % H:
         raise ValueError(f"compressed attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} "
                          "must be [B, T, HQ, D] and [B, Nc, H, D] with H dividing HQ")
+    if gate.shape != (B, T, HQ):
+        raise ValueError(f"compressed attention: gate {tuple(gate.shape)} must be [B, T, HQ] = {(B, T, HQ)}")
     triton_common.check_batch_heads(B, H, "compressed attention")
     if stride & (stride - 1) or block % stride:
         raise ValueError(f"compressed attention: stride d = {stride} must be a power of two dividing l = {block}")
@@ -342,18 +349,19 @@ def _contiguous(doc_start: Tensor | None) -> Tensor | None:
     return None if doc_start is None else doc_start.contiguous()
 
 
-def _fwd_fake(q, k, v, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _fwd_fake(q, k, v, gate, block, stride, scale, doc_start=None, q_start=0, q_start_odd=None):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), torch.empty_like(q)
 
 
 @triton_common.kernel_op("nsa::compressed_attention_fwd", _fwd_fake)
-def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride: int, scale: float,
+def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, block: int, stride: int, scale: float,
                              doc_start: Tensor | None = None, q_start: int = 0,
-                             q_start_odd: int | None = None) -> tuple[Tensor, Tensor]:
-    """o [B, T, HQ, D] (dtype of q) and the natural-log lse [B, T, HQ] (fp32; -inf: no visible block).
-    doc_start [B, T] int32 (multiples of d), or None; q_start: the first query's position (q_start_odd: in odd
-    batch rows, if it differs). See the module's docstring."""
-    _check(q, k, v, block, stride, doc_start, q_start, q_start_odd)
+                             q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The gated output g_cmp o [B, T, HQ, D] (dtype of q; gate [B, T, HQ] >= 0), the natural-log lse [B, T, HQ]
+    (fp32; -inf: no visible block) and, for the backward (not differentiable), the ungated o. doc_start [B, T]
+    int32 (multiples of d), or None; q_start: the first query's position (q_start_odd: in odd batch rows, if it
+    differs). See the module's docstring."""
+    _check(q, k, v, gate, block, stride, doc_start, q_start, q_start_odd)
     q, k, v, doc_start = q.contiguous(), k.contiguous(), v.contiguous(), _contiguous(doc_start)
     B, T, HQ, D = q.shape
     H, NC = k.shape[2], k.shape[1]
@@ -367,7 +375,8 @@ def compressed_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block: int, stride
                                                *query_offsets(q_start, q_start_odd), scale * LOG2E, H=H, L=block,
                                                S=stride, BN=_KEYS, TMA=triton_common.kv_tma(k),
                                                DOC_MASK=doc_start is not None, **tiles, num_warps=4, num_stages=3)
-    return o, lse
+    # In torch, not in the kernel's epilogue: compiled, inductor fuses it with the caller's sum of the branches.
+    return gate.to(o.dtype)[..., None] * o, lse, o
 
 
 def _dkdv_chunk(T: int, n_tiles: int, n_heads: int) -> int:
@@ -385,7 +394,9 @@ def _bwd_fake(do, q, k, v, lse, delta, block, stride, scale, doc_start=None, q_s
 def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, block: int,
                              stride: int, scale: float, doc_start: Tensor | None = None,
                              q_start: int = 0, q_start_odd: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv given do and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32). Bitwise deterministic."""
+    """dq, dk, dv given do, the lse and delta = rowsum(o * do) - dlse [B, T, HQ] (fp32) of the ungated o; or, for
+    the gated output g o, its do, the gated lse (`triton_common.gated_lse`) and delta = rowsum(o * do). Bitwise
+    deterministic."""
     q, k, v, do, lse, delta = (x.contiguous() for x in (q, k, v, do, lse, delta))
     q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     doc_start = _contiguous(doc_start)
@@ -418,18 +429,32 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale, doc_start, q_start, q_start_odd = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, doc_start)
+    q, k, v, gate, block, stride, scale, doc_start, q_start, q_start_odd = inputs
+    _, lse, o = output
+    ctx.mark_non_differentiable(o)  # the backward's, not the model's
+    # Absent gradients stay None: the backward takes its gated path only where lse has none.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, gate, o, lse, doc_start)
     ctx.block, ctx.stride, ctx.scale, ctx.q_start, ctx.q_start_odd = block, stride, scale, q_start, q_start_odd
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, doc_start = ctx.saved_tensors
-    delta = triton_common.softmax_delta(o, do, dlse)
-    dq, dk, dv = compressed_attention_bwd(do, q, k, v, lse, delta, ctx.block, ctx.stride, ctx.scale, doc_start,
+def _backward(ctx, do, dlse, _):
+    q, k, v, gate, o, lse, doc_start = ctx.saved_tensors
+    if do is None:  # only lse is differentiated
+        do = torch.zeros_like(o)
+    dgate = triton_common.softmax_delta(o, do, None)  # rowsum(o * dO): the gate's gradient
+    if dlse is None:
+        # exp(s - gated lse) = g P, so the gated output's dO serves the kernels as it is (no g dO written), and
+        # its dS = g P (dP - rowsum(o dO)): the gate's gradient is also the kernels' delta.
+        do_k, lse_k, delta = do, triton_common.gated_lse(lse, gate), dgate
+    else:
+        # An lse gradient adds dlse P to dS, which g P cannot carry where g = 0 (dlse / g): the ungated
+        # probabilities against g dO.
+        do_k = gate.to(do.dtype)[..., None] * do
+        lse_k, delta = lse, triton_common.softmax_delta(o, do_k, dlse)
+    dq, dk, dv = compressed_attention_bwd(do_k, q, k, v, lse_k, delta, ctx.block, ctx.stride, ctx.scale, doc_start,
                                           ctx.q_start, ctx.q_start_odd)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None
 
 
 compressed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -38,6 +38,7 @@ from nsa_models.args import MAX_FUSED_BLOCKS
 from nsa_models.nsa import triton_common
 from nsa_models.nsa.triton_common import (
     LOG2E,
+    gated_lse,
     head_rows_descriptors,
     load_head_rows,
     online_softmax_update,
@@ -391,13 +392,6 @@ def _bwd_inputs(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, do: Tensor, lse_s
     grads = dict(do=do.contiguous(), lse_slc=lse_slc.contiguous(), lse_win=lse_win.contiguous(),
                  delta_slc=delta_slc.contiguous(), delta_win=delta_win.contiguous())
     return q, k, v, bits, grads
-
-
-def gated_lse(lse: Tensor, gate: Tensor) -> Tensor:
-    """A branch's lse less ln(gate) [B, T, HQ] (fp32; +inf where the gate is 0): exp(s - it) is the gated
-    probability g P, so the backward kernels take the gates through it. Gates are >= 0 (sigmoids)."""
-    g = gate.float()
-    return torch.where(g > 0, lse - g.log(), float("inf"))
 
 
 @triton_common.kernel_op("nsa::selected_window_bwd", _bwd_fake)
