@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from nsa_models.args import ModelArgs, NSAArgs
 from nsa_models.nsa import nsa_attention, window_mask
 from nsa_models.nsa.flex import BlockMaskStorage, document_block_mask, flex
-from nsa_models.telemetry import nsa_stats
+from nsa_models.telemetry import TelemetryInputs, nsa_stats
 
 
 def normal_(param: Tensor, std: float) -> None:
@@ -130,8 +130,8 @@ class DenseAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | Tensor | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and this layer's telemetry: none for dense attention (an empty fp32 tensor).
+                doc_start: Tensor | None = None) -> tuple[Tensor, TelemetryInputs | None]:
+        """Output [B, T, dim] and this layer's telemetry inputs: None, dense attention has no telemetry.
         mask: `document_mask` with packed documents, None for causal attention; doc_start is NSA's (the mask
         carries the documents here)."""
         B, T, _ = x.shape
@@ -144,7 +144,7 @@ class DenseAttention(nn.Module):
             out = flex(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), x.new_zeros(0, dtype=torch.float32)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), None
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
@@ -162,8 +162,8 @@ class SequenceKV(nn.Module):
 
 
 class NSACore(nn.Module):
-    """`nsa_attention` and its telemetry row (`nsa_stats`) as a parameter-free module, so that a plan can swap it
-    from outside: context parallelism gives the queries of a shard their positions in the gathered sequence."""
+    """`nsa_attention` and its telemetry inputs (`TelemetryInputs`) as a parameter-free module, so that a plan can
+    swap it from outside: context parallelism gives the queries of a shard their positions in the gathered sequence."""
 
     def __init__(self, args: NSAArgs):
         super().__init__()
@@ -171,11 +171,11 @@ class NSACore(nn.Module):
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """`nsa_attention`'s output for its inputs, with this layer's `NSAArgs`, and the layer's telemetry row."""
+                doc_start: Tensor | None = None) -> tuple[Tensor, TelemetryInputs]:
+        """`nsa_attention`'s output for its inputs, with this layer's `NSAArgs`, and the layer's telemetry inputs."""
         out, block_indices, cmp_entropy = nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa,
                                                         window_mask=window_mask, doc_start=doc_start)
-        return out, nsa_stats(gates, block_indices, cmp_entropy, self.nsa, doc_start)
+        return out, TelemetryInputs(gates.detach(), block_indices, cmp_entropy, doc_start)
 
 
 class NSAAttention(DenseAttention):
@@ -199,8 +199,8 @@ class NSAAttention(DenseAttention):
         self.core = NSACore(args.nsa)
 
     def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and this layer's telemetry row (`nsa_stats`); mask: `nsa.window_mask`; doc_start:
+                doc_start: Tensor | None = None) -> tuple[Tensor, TelemetryInputs]:
+        """Output [B, T, dim] and this layer's telemetry inputs; mask: `nsa.window_mask`; doc_start:
         int32 [B, T] first position of each token's document, or None."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
@@ -213,9 +213,9 @@ class NSAAttention(DenseAttention):
         gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
         if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
             gates = F.pad(gates[..., 2:], (2, 0))
-        out, stats = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, window_mask=mask,
-                               doc_start=doc_start)
-        return self.wo(out.reshape(B, T, -1)), stats
+        out, telemetry = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, window_mask=mask,
+                                   doc_start=doc_start)
+        return self.wo(out.reshape(B, T, -1)), telemetry
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)
@@ -255,13 +255,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: Tensor, rope: Tensor, mask: BlockMask | Tensor | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Output [B, T, dim] and the attention's telemetry, returned rather than stored: a side effect inside an
-        activation-checkpointed compiled block fails in Dynamo. rope, mask, doc_start: as `Transformer.forward`
+                doc_start: Tensor | None = None) -> tuple[Tensor, TelemetryInputs | None]:
+        """Output [B, T, dim] and the attention's telemetry inputs, returned rather than stored: a side effect inside
+        an activation-checkpointed compiled block fails in Dynamo. rope, mask, doc_start: as `Transformer.forward`
         passes them."""
-        out, stats = self.attention(self.attention_norm(x), rope, mask, doc_start)
+        out, telemetry = self.attention(self.attention_norm(x), rope, mask, doc_start)
         h = x + out
-        return h + self.feed_forward(self.ffn_norm(h)), stats
+        return h + self.feed_forward(self.ffn_norm(h)), telemetry
 
     def init_weights(self, std: float, n_layers: int) -> None:
         # Residual-output projections shrink with depth (as TorchTitan) so early training stays stable.
@@ -290,7 +290,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, rebuilt by init_weights() on the real device.
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta), persistent=False)
-        self.nsa_stats: Tensor | None = None  # [n_layers, row] of the latest forward (`nsa_stats`); [n_layers, 0] dense
+        # Per layer, what the latest forward left for its telemetry (`nsa_stats`); None before the first forward.
+        self._telemetry_inputs: tuple[TelemetryInputs | None, ...] | None = None
         # Set by the compile plan where CUDA graphs replay the blocks: packed documents' masks then keep their
         # addresses from batch to batch (`BlockMaskStorage`). None: each batch's mask is its own.
         self.mask_storage: BlockMaskStorage | None = None
@@ -309,7 +310,7 @@ class Transformer(nn.Module):
             normal_(self.output.weight, std=self.args.dim ** -0.5)
 
     def forward(self, tokens: Tensor, doc_start: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
-        """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry rows are left in `self.nsa_stats`.
+        """Logits [B, T, vocab] for tokens [B, T]; the layers' telemetry inputs are left for `self.nsa_stats`.
 
         doc_start: int32 [B, T], the position of each token's document's first token (packed documents,
         `data.document_mask`): each document then gets the outputs it would get alone. None: one sequence per row.
@@ -333,9 +334,23 @@ class Transformer(nn.Module):
             mask = None if doc_start is None else document_mask(doc_start)
         if doc_start is not None and isinstance(mask, BlockMask) and self.mask_storage is not None:
             mask = self.mask_storage.keep(mask)
-        layer_stats = []
+        # The previous forward's inputs go now rather than at the end: held through this forward, they would add
+        # to its peak memory.
+        self._telemetry_inputs = None
+        telemetry = []
         for block in self.layers.values():
-            h, stats = block(h, rope, mask, doc_start)
-            layer_stats.append(stats)
-        self.nsa_stats = torch.stack(layer_stats)
+            h, inputs = block(h, rope, mask, doc_start)
+            telemetry.append(inputs)
+        self._telemetry_inputs = tuple(telemetry)
         return self.output(self.norm(h))
+
+    @property
+    def nsa_stats(self) -> Tensor | None:
+        """The latest forward's telemetry, [n_layers, row] fp32 (`nsa_stats`; [n_layers, 0] for dense attention),
+        computed now: read it before the next forward replaces (with CUDA graphs, overwrites) its inputs. None
+        before the first forward."""
+        if self._telemetry_inputs is None:
+            return None
+        if self.args.attention != "nsa":
+            return torch.zeros(len(self._telemetry_inputs), 0, device=self.rope.device)
+        return torch.stack([nsa_stats(**inputs._asdict(), args=self.args.nsa) for inputs in self._telemetry_inputs])

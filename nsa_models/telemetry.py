@@ -1,13 +1,16 @@
 """NSA health telemetry, encoded and decoded in one place.
 
-Each NSA layer encodes its health as one fp32 row (`nsa_stats`), inside the compiled forward (static shapes, no host
-sync); the model leaves the rows of its latest forward in `Transformer.nsa_stats`. The trainer reads them now and
-then and `nsa_metrics` decodes them into named scalars and histograms, which it only logs.
+Each NSA layer returns what its telemetry needs (`TelemetryInputs`) and the model keeps those of its latest forward.
+Reading `Transformer.nsa_stats` encodes them, eagerly and without a host sync, as one fp32 row per layer
+(`nsa_stats`): the trainer reads them only every `metrics.nsa_stats_freq` steps, so computing the rows inside every
+compiled forward cost 20 of an nsa-125m block's 183 kernel launches (~0.56 ms a step on an H200) for rows that were
+mostly thrown away. `nsa_metrics` decodes the rows into named scalars and histograms, which the trainer only logs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,19 @@ from nsa_models.args import NSAArgs
 # Telemetry row of one NSA layer: these means, then the counts of the selected-block distance histogram.
 NSA_STATS = ("gate_cmp", "gate_slc", "gate_win", "forced_share", "slc_distance_blocks", "slc_distance_sq",
              "slc_distance_max", "cmp_entropy")
+
+
+class TelemetryInputs(NamedTuple):
+    """What `nsa_stats` encodes for one NSA layer, as the layer's forward returns it (a compiled block may return
+    tensors, None and ints). Nothing in it requires grad: held until the next forward, it must not keep the step's
+    autograd graph alive."""
+
+    gates: Tensor
+    block_indices: Tensor
+    cmp_entropy: Tensor
+    doc_start: Tensor | None = None
+    positions: Tensor | None = None
+    seq_len: int | None = None
 
 
 def _bin_starts(n_bins: int) -> list[int]:
@@ -36,8 +52,8 @@ def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: N
     the mean over the query heads that see at least one compressed block (t >= l - 1). With packed documents
     (doc_start [B, T]) the forced first block is the document's and t counts from its start. Queries that are a
     part of their sequence (context parallelism's shard) pass their positions [T] (int64) and the sequence's length
-    `seq_len`, which sizes the histogram; None: positions 0 .. T-1 of a sequence of T. Static shapes and no host
-    sync: it runs inside the compiled step every time, and the trainer reads it now and then.
+    `seq_len`, which sizes the histogram; None: positions 0 .. T-1 of a sequence of T. No host sync: the trainer
+    reads the rows (`Transformer.nsa_stats`) while the step is still queued on the device.
     """
     B, T, HQ, _ = gates.shape
     n_sel = args.num_sel_blocks(T if seq_len is None else seq_len)
@@ -48,8 +64,7 @@ def nsa_stats(gates: Tensor, block_indices: Tensor, cmp_entropy: Tensor, args: N
     first = 0 if doc_start is None else doc_start[:, None, :, None] // args.sel_block_size
     forced = selected & ((block_indices == first) | (distance <= 1))
     distance = torch.where(selected, distance, 0).float()
-    # One full reduction per bin: a single [elements, n_bins] -> [n_bins] reduction gave Inductor n_bins programs
-    # (0.37 ms of an 8.1 ms nsa-125m block at 16 x 2048 on an H200).
+    # One full reduction per bin: no [elements, n_bins] intermediate.
     at_least = torch.stack([(selected & (distance >= start)).sum()
                             for start in _bin_starts(1 + (n_sel - 1).bit_length())])
     counts = at_least - F.pad(at_least[1:], (0, 1))

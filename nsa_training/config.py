@@ -196,8 +196,8 @@ class MetricsConfig:
     tags `nsa/<stat>/layer<i>` for the gate means (`gate_cmp`, `gate_slc`, `gate_win`), the share of selected
     blocks that are forced (`forced_share`), the selected blocks' mean and max distance from the query in
     selection blocks (`slc_distance_blocks`, `slc_distance_max`), the entropy of the compressed attention
-    (`cmp_entropy`, nats), and the histogram `nsa/slc_distance_hist/layer<i>`. Computed inside every forward (cheap,
-    no sync); read from the log rank's last micro-batch of the step."""
+    (`cmp_entropy`, nats), and the histogram `nsa/slc_distance_hist/layer<i>`. Computed only when logged (no
+    sync), from the log rank's last micro-batch of the step."""
 
 
 @dataclass

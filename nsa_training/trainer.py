@@ -462,9 +462,9 @@ class Trainer:
         self.optimizer.found_inf = skipped
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
-        # Read with the step's scalars: by then the next forward has replaced (or, replayed as a CUDA graph,
-        # overwritten) the model's own.
-        nsa_stats = (self.model.nsa_stats.detach().clone()
+        # Computed here, only at the steps that log it, from the inputs the step's last forward left: before the next
+        # forward replaces (replayed as a CUDA graph, overwrites) them. The rows are a tensor of their own.
+        nsa_stats = (self.model.nsa_stats
                      if self.config.model.attention == "nsa" and self.metrics.should_log_nsa(self.step) else None)
         return PendingOutcome(self.step, stats[0], grad_norm, skipped, lr, data_time, nsa_stats)
 

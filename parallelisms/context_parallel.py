@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_models.model import NSACore, SequenceKV
 from nsa_models.nsa import nsa_attention, window_mask
-from nsa_models.telemetry import nsa_stats
+from nsa_models.telemetry import TelemetryInputs
 
 
 def _chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -109,10 +109,10 @@ class ShardNSACore(NSACore):
 
     def forward(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor,
                 v_cmp: Tensor, gates: Tensor, window_mask: BlockMask | None = None,
-                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """NSACore's outputs for the shard's queries, the telemetry at their global positions. The model passes no
-        window_mask for a part of a sequence: the chunks take theirs (`build_window_mask`). doc_start is None:
-        `parallelisms.config.check_context_parallel` refuses data.document_mask."""
+                doc_start: Tensor | None = None) -> tuple[Tensor, TelemetryInputs]:
+        """NSACore's outputs for the shard's queries, the telemetry inputs at their global positions. The model
+        passes no window_mask for a part of a sequence: the chunks take theirs (`build_window_mask`). doc_start is
+        None: `parallelisms.config.check_context_parallel` refuses data.document_mask."""
         B, C, seq_len = q.shape[0], q.shape[1] // 2, k_slc.shape[1]
         kv = _sequence_rows([k_slc, v_slc, k_win, v_win, k_cmp, v_cmp], 2)
         out, idx, entropy = nsa_attention(_chunk_rows(q, 2), *kv, _chunk_rows(gates, 2), self.nsa,
@@ -121,7 +121,7 @@ class ShardNSACore(NSACore):
         out, entropy = (x.unflatten(0, (B, 2)).flatten(1, 2) for x in (out, entropy))
         idx = idx.unflatten(0, (B, 2)).transpose(1, 2).flatten(2, 3)
         positions = torch.cat([torch.arange(chunk * C, (chunk + 1) * C, device=q.device) for chunk in self.chunks])
-        return out, nsa_stats(gates, idx, entropy, self.nsa, positions=positions, seq_len=seq_len)
+        return out, TelemetryInputs(gates.detach(), idx, entropy, positions=positions, seq_len=seq_len)
 
 
 def _pass_positions(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -100,6 +100,37 @@ def test_stats_match_brute_force(monkeypatch):
     assert len(scalars) == 2 * 7
 
 
+def test_rows_are_computed_only_when_read(monkeypatch):
+    """The forward (and backward) leave the layers' telemetry inputs, detached; reading `nsa_stats` computes the
+    rows, one `nsa_stats` call per layer, equal to the rows of the attention's own outputs."""
+    import nsa_models.model
+    from nsa_models.telemetry import nsa_stats
+
+    attended, computed = [], []
+
+    def recording_attention(*args, **kwargs):
+        result = nsa_models.nsa.nsa_attention(*args, **kwargs)
+        attended.append((args[7], *result[1:]))  # gates, block indices, entropy
+        return result
+
+    def recording_stats(*args, **kwargs):
+        computed.append([*args, *kwargs.values()])
+        return nsa_stats(*args, **kwargs)
+
+    monkeypatch.setattr(nsa_models.model, "nsa_attention", recording_attention)
+    monkeypatch.setattr(nsa_models.model, "nsa_stats", recording_stats)
+    model = build()
+    assert model.nsa_stats is None
+    tokens = torch.randint(0, 256, (2, 41))
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    assert computed == []
+    rows = model.nsa_stats
+    assert len(computed) == len(attended) == 2
+    assert not any(value.requires_grad for values in computed for value in values if isinstance(value, torch.Tensor))
+    want = torch.stack([nsa_stats(gates, idx, entropy, TINY_NSA) for gates, idx, entropy in attended])
+    assert torch.equal(rows, want)
+
+
 def test_dense_model_has_no_stats():
     model = build("dense-debug")
     model(torch.randint(0, 256, (2, 16)))
