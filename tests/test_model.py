@@ -12,7 +12,7 @@ from torch import Tensor
 from nsa_models import get_flavor
 from nsa_models.args import NSAArgs
 from nsa_models.flops import flops_per_token
-from nsa_models.model import Compression, Transformer
+from nsa_models.model import Compression, Transformer, compress
 
 TINY_NSA = NSAArgs(cmp_block_size=8, cmp_stride=4, sel_block_size=8, n_selected=3, window_size=8, query_chunk=16)
 
@@ -62,21 +62,27 @@ def unfolded_phi(compression: Compression, x: Tensor) -> Tensor:
 @pytest.mark.parametrize("T", [16, 37, 64])
 def test_compression_equals_phi_of_each_block(block, stride, T):
     """`Compression` never builds the blocks (fc1 as m = l/d products of chunks of d tokens): it equals phi of each
-    unfolded block, with every gradient, in float64."""
+    unfolded block, with every gradient, in float64; so does `compress` of a layer's keys and values stacked, each
+    through its own module."""
     torch.manual_seed(0)
     args = NSAArgs(cmp_block_size=block, cmp_stride=stride, sel_block_size=16, n_selected=2, window_size=16)
-    compression = Compression(args, head_dim=4).double()
-    compression.init_weights(0.5)
-    torch.nn.init.normal_(compression.fc1.bias)
-    x = torch.randn(2, T, 3, 4, dtype=torch.float64, requires_grad=True)
-    out, expected = compression(x), unfolded_phi(compression, x)
-    assert out.shape == expected.shape == (2, args.num_cmp_blocks(T), 3, 4)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weights).sum(), [x, *compression.parameters()])
-    expected_grads = torch.autograd.grad((expected * weights).sum(), [x, *compression.parameters()])
-    for name, grad, expected_grad in zip(["x", *dict(compression.named_parameters())], grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=name)
+    modules = [Compression(args, head_dim=4).double() for _ in range(2)]
+    for compression in modules:
+        compression.init_weights(0.5)
+        torch.nn.init.normal_(compression.fc1.bias)
+        torch.nn.init.normal_(compression.fc2.bias)
+    x = torch.randn(2, 2, T, 3, 4, dtype=torch.float64, requires_grad=True)
+    params = [p for compression in modules for p in compression.parameters()]
+    names = [f"{i}.{name}" for i, compression in enumerate(modules) for name, _ in compression.named_parameters()]
+    expected = torch.stack([unfolded_phi(compression, xs) for compression, xs in zip(modules, x)])
+    assert expected.shape == (2, 2, args.num_cmp_blocks(T), 3, 4)
+    weights = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [x, *params])
+    for out in (compress(modules[0], x, modules[1]), torch.stack([c(xs) for c, xs in zip(modules, x)])):
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad((out * weights).sum(), [x, *params])
+        for name, grad, expected_grad in zip(["x", *names], grads, expected_grads):
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("T", [40, 5], ids=["T>=l", "T<l"])
