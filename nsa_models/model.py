@@ -221,18 +221,29 @@ class NSAAttention(DenseAttention):
         int32 [B, T] first position of each token's document, or None."""
         B, T, _ = x.shape
         H, D = self.n_kv_heads, self.head_dim
-        q = apply_rope(self.wq(x).view(B, T, self.n_heads, D), rope)
+        q, gate_logits = self._query_and_gate_logits(x)
+        q = apply_rope(q.view(B, T, self.n_heads, D), rope)
         k, v = self.kv(apply_rope(self.wk(x).view(B, T, self.kv_sets * H, D), rope),
                        self.wv(x).view(B, T, self.kv_sets * H, D))
         k, v = k.split(H, dim=2), v.split(H, dim=2)
         cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
         k_cmp, v_cmp = compress(self.compress_k, torch.stack([k[cmp], v[cmp]]), self.compress_v).unbind()
-        gates = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
+        gates = torch.sigmoid(gate_logits).view(B, T, self.n_heads, 3)
         if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
             gates = F.pad(gates[..., 2:], (2, 0))
         out, telemetry = self.core(q, k[slc], v[slc], k[win], v[win], k_cmp, v_cmp, gates, window_mask=mask,
                                    doc_start=doc_start)
         return self.wo(out.reshape(B, T, -1)), telemetry
+
+    def _query_and_gate_logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """wq(x) [B, T, HQ D] and gate(x) [B, T, 3 HQ] as one product with the two weights stacked: the gate's
+        3 HQ outputs alone make a narrow GEMM (forward and both backward products). A float8 wq (torchao's
+        Float8Linear: the gate stays high precision) keeps its own product."""
+        if type(self.wq) is not nn.Linear:
+            return self.wq(x), self.gate(x)
+        q, logits = F.linear(x, torch.cat([self.wq.weight, self.gate.weight])).split(
+            [self.wq.out_features, self.gate.out_features], dim=-1)
+        return q, logits + self.gate.bias.to(logits.dtype)
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)

@@ -85,6 +85,23 @@ def test_compression_equals_phi_of_each_block(block, stride, T):
             torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def test_query_and_gate_share_one_product():
+    """NSA's wq and gate run as one product of stacked weights: each output and gradient equals its own Linear's,
+    in float64 (a swapped or misaligned split would mix the gate logits into the queries)."""
+    attention = build(dtype=torch.float64, nsa=TINY_NSA).layers["0"].attention
+    torch.nn.init.normal_(attention.gate.bias)
+    x = torch.randn(2, 5, attention.wq.in_features, dtype=torch.float64)
+    q, logits = attention._query_and_gate_logits(x)
+    torch.testing.assert_close(q, attention.wq(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits, attention.gate(x), rtol=1e-12, atol=1e-12)
+    params = [attention.wq.weight, attention.gate.weight, attention.gate.bias]
+    cot = torch.randn_like(q), torch.randn_like(logits)
+    got = torch.autograd.grad((q * cot[0]).sum() + (logits * cot[1]).sum(), params)
+    want = torch.autograd.grad((attention.wq(x) * cot[0]).sum() + (attention.gate(x) * cot[1]).sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("T", [40, 5], ids=["T>=l", "T<l"])
 @pytest.mark.parametrize("separate_kv", [False, True])
 def test_every_parameter_gets_a_gradient(T, separate_kv):
