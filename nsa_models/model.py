@@ -98,8 +98,8 @@ class Compression(nn.Module):
 
 def compress(first: Compression, x: Tensor, *others: Compression) -> Tensor:
     """phi of S stacked inputs x [S, B, T, H, D] -> [S, B, Nc, H, D], input s through the s-th of (first, *others)
-    (same shapes): the S MLPs run as one batched product per layer, not S of each (a layer's keys and values: about
-    19 fewer kernel launches a block, forward and backward)."""
+    (same shapes): the S MLPs run as one batched product per MLP layer, not S of each, and so do their
+    backward's (a layer's keys and values: S = 2)."""
     modules = (first, *others)
     T = x.shape[2]
     n_blocks = first.nsa.num_cmp_blocks(T)
