@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nsa_models.model import NSAAttention, Transformer, apply_rope, compress
+from nsa_models.model import NSAAttention, Transformer, apply_rope
 from nsa_models.nsa.reference import compressed_branch, select_blocks
 
 
@@ -73,8 +73,8 @@ def new_cache(model: Transformer, batch: int) -> DecodeCache:
 
 def prefill(model: Transformer, tokens: Tensor) -> tuple[Tensor, DecodeCache]:
     """The full forward's logits [B, T, vocab] for tokens [B, T] (1 <= T <= max_seq_len) and a cache holding their
-    keys and values: the layers' K/V projections (rotated here exactly as the forward rotates them), recorded by
-    forward hooks during that one forward, and their compressed blocks."""
+    keys and values: the layers' K/V projections (rotated here exactly as the forward rotates them) and compressed
+    blocks, recorded by forward hooks during that one forward."""
     B, T = tokens.shape
     if not 1 <= T <= model.args.max_seq_len:
         raise ValueError(f"prefill of {T} tokens: need 1 .. model.max_seq_len ({model.args.max_seq_len})")
@@ -89,21 +89,24 @@ def prefill(model: Transformer, tokens: Tensor) -> tuple[Tensor, DecodeCache]:
             getattr(layer, name)[:, :, :T] = output.transpose(1, 2)
         return hook
 
+    def record_compressed(layer: LayerCache) -> Callable[[torch.nn.Module, tuple, object], None]:
+        def hook(module: torch.nn.Module, inputs: tuple, output: object) -> None:
+            k_cmp, v_cmp = inputs[5:7]  # `NSACore.forward`'s compressed keys and values [B, Nc, H, D]
+            layer.cmp_keys[:, :, :k_cmp.shape[1]] = k_cmp.transpose(1, 2)
+            layer.cmp_values[:, :, :v_cmp.shape[1]] = v_cmp.transpose(1, 2)
+        return hook
+
     try:
         for block, layer in zip(model.layers.values(), cache.layers):
             attention = block.attention
             handles += [attention.wk.register_forward_hook(record(layer, "keys")),
                         attention.wv.register_forward_hook(record(layer, "values"))]
+            if isinstance(attention, NSAAttention):
+                handles.append(attention.core.register_forward_hook(record_compressed(layer)))
         logits = model(tokens)
     finally:
         for handle in handles:
             handle.remove()
-    for block, layer in zip(model.layers.values(), cache.layers):
-        if isinstance(block.attention, NSAAttention):  # phi of the recorded keys and values, as the forward's
-            H = block.attention.n_kv_heads  # the cmp set's heads come first
-            kv = torch.stack([layer.keys[:, :H, :T], layer.values[:, :H, :T]]).transpose(2, 3)
-            k_cmp, v_cmp = compress(block.attention.compress_k, kv, block.attention.compress_v).transpose(2, 3)
-            layer.cmp_keys[:, :, :k_cmp.shape[2]], layer.cmp_values[:, :, :v_cmp.shape[2]] = k_cmp, v_cmp
     cache.length = T
     return logits, cache
 

@@ -86,7 +86,7 @@ class Compression(nn.Module):
             self.fc2 = nn.Linear(hidden, head_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return compress(self, x[None])[0]
+        return compress((self,), x[None])[0]
 
     def init_weights(self, std: float) -> None:
         if self.kind == "mlp":
@@ -96,11 +96,11 @@ class Compression(nn.Module):
                 nn.init.zeros_(fc.bias)
 
 
-def compress(first: Compression, x: Tensor, *others: Compression) -> Tensor:
-    """phi of S stacked inputs x [S, B, T, H, D] -> [S, B, Nc, H, D], input s through the s-th of (first, *others)
-    (same shapes): the S MLPs run as one batched product per MLP layer, not S of each, and so do their
+def compress(modules: tuple[Compression, ...], x: Tensor) -> Tensor:
+    """phi of S stacked inputs x [S, B, T, H, D] -> [S, B, Nc, H, D], input s through modules[s] (S modules of one
+    configuration): the S MLPs run as one batched product per MLP layer, not S of each, and so do their
     backward's (a layer's keys and values: S = 2)."""
-    modules = (first, *others)
+    first = modules[0]
     T = x.shape[2]
     n_blocks = first.nsa.num_cmp_blocks(T)
     if T < first.block:  # no complete block: an empty result that still carries phi in the graph
@@ -227,7 +227,7 @@ class NSAAttention(DenseAttention):
                        self.wv(x).view(B, T, self.kv_sets * H, D))
         k, v = k.split(H, dim=2), v.split(H, dim=2)
         cmp, slc, win = (0, 1, 2) if self.kv_sets == 3 else (0, 0, 0)
-        k_cmp, v_cmp = compress(self.compress_k, torch.stack([k[cmp], v[cmp]]), self.compress_v).unbind()
+        k_cmp, v_cmp = compress((self.compress_k, self.compress_v), torch.stack([k[cmp], v[cmp]])).unbind()
         gates = torch.sigmoid(gate_logits).view(B, T, self.n_heads, 3)
         if self.nsa.window_only:  # the ablation: (cmp, slc, win) gates (0, 0, g_win), for every backend alike
             gates = F.pad(gates[..., 2:], (2, 0))

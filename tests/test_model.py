@@ -78,7 +78,7 @@ def test_compression_equals_phi_of_each_block(block, stride, T):
     assert expected.shape == (2, 2, args.num_cmp_blocks(T), 3, 4)
     weights = torch.randn_like(expected)
     expected_grads = torch.autograd.grad((expected * weights).sum(), [x, *params])
-    for out in (compress(modules[0], x, modules[1]), torch.stack([c(xs) for c, xs in zip(modules, x)])):
+    for out in (compress(tuple(modules), x), torch.stack([c(xs) for c, xs in zip(modules, x)])):
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
         grads = torch.autograd.grad((out * weights).sum(), [x, *params])
         for name, grad, expected_grad in zip(["x", *names], grads, expected_grads):

@@ -451,7 +451,7 @@ def _backward(ctx, do, dlse, _):
         # An lse gradient adds dlse P to dS, which g P cannot carry where g = 0 (dlse / g): the ungated
         # probabilities against g dO.
         do_k = gate.to(do.dtype)[..., None] * do
-        lse_k, delta = lse, triton_common.softmax_delta(o, do_k, dlse)
+        lse_k, delta = lse, gate.float() * dgate - dlse  # rowsum(o * g dO) - dlse
     dq, dk, dv = compressed_attention_bwd(do_k, q, k, v, lse_k, delta, ctx.block, ctx.stride, ctx.scale, doc_start,
                                           ctx.q_start, ctx.q_start_odd)
     return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None
