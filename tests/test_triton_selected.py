@@ -133,14 +133,18 @@ def test_selected_attention_matches_reference(B: int, T: int, G: int, n: int, pa
         assert rel_err(g, w) <= 1e-4, f"d{name}: rel err {rel_err(g, w):.2e}"
 
 
-@pytest.mark.parametrize("B,H,T,n,block", [(2, 3, 1000, 5, 16), (1, 4, 196608, 16, 64)],
-                         ids=["small", "nsa-125m-196k"])
-def test_reverse_index_lists_each_blocks_choosers_in_query_order(B: int, H: int, T: int, n: int, block: int):
+@pytest.mark.parametrize("B,H,T,n,block,key_dtype", [(2, 3, 1000, 5, 16, torch.int16),
+                                                      (1, 4, 196608, 16, 64, torch.int16),
+                                                      (128, 4, 1100, 2, 16, torch.int32)],
+                         ids=["small", "nsa-125m-196k", "past-int16-segments"])
+def test_reverse_index_lists_each_blocks_choosers_in_query_order(B: int, H: int, T: int, n: int, block: int,
+                                                                 key_dtype: torch.dtype):
     """Each key block's work items hold exactly the (query, slot) pairs that chose it, in ascending query order, cut
     into items of at most `_item_queries` pairs. At 196k tokens of nsa-125m, segment * T passes 2^31: the size where
-    the former 64-bit sort keys were used."""
+    the former 64-bit sort keys were used; past 32,767 segments the sort keys are 32-bit, below 16-bit."""
     gen = torch.Generator().manual_seed(T)
     n_blocks = -(-T // block)
+    assert triton_selected._sort_key_dtype(B * H * n_blocks) == key_dtype
     current = torch.arange(T) // block
     # Each query chooses its last n blocks (distinct; -1 before block 0), in a random slot order.
     idx = (current[:, None] - torch.arange(n)).where(current[:, None] >= torch.arange(n), -1).expand(B, H, T, n)

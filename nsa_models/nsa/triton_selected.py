@@ -512,6 +512,12 @@ def _item_queries(pairs: int) -> int:
     return min(_ITEM_QUERIES, max(_ITEM_QUERIES_MIN, triton.next_power_of_2(max(1, pairs // _MIN_ITEMS))))
 
 
+def _sort_key_dtype(n_segs: int) -> torch.dtype:
+    """The reverse index's sort keys: the narrowest of int16 / int32 that holds segment ids 0 .. n_segs (n_segs:
+    the padding's)."""
+    return torch.int16 if n_segs <= torch.iinfo(torch.int16).max else torch.int32
+
+
 def reverse_index(block_indices: Tensor, block_size: int,
                   seq_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Work items over (batch, KV head, key block) -> the (query, slot) pairs that chose the block, in ascending
@@ -530,19 +536,22 @@ def reverse_index(block_indices: Tensor, block_size: int,
     n_segs = B * H * n_blocks
     # A stable sort of each entry's segment (its padding: n_segs, past every segment) orders the entries by segment
     # and, within one, by query (the flattened [B, H, T, n] order); the sort's indices give each entry's t * n + slot.
-    # Every key and every value compared is at most n_segs, so 32-bit keys always fit: a radix sort of half the
-    # passes of 64-bit ones. Sorting segment * T + t instead needed 64-bit keys past 2^31 (B * H * T^2 / l' of
-    # them: nsa-125m from 185k tokens on), and there Inductor's GPU code for the segment bounds' search values
-    # (arange * T) overflowed: wrong work items and NaN outputs under torch.compile (eager was right).
+    # Every key and every value compared is at most n_segs, so the keys take the narrowest integer type that holds
+    # it: 16 bits below 32,767 segments (nsa-125m's 2048 at 2k and 8k, 8192 at 128k), a radix sort of half the
+    # passes of 32-bit keys, which hold the rest. Sorting segment * T + t instead needed 64-bit keys past 2^31
+    # (B * H * T^2 / l' of them: nsa-125m from 185k tokens on), and there Inductor's GPU code for the segment
+    # bounds' search values (arange * T) overflowed: wrong work items and NaN outputs under torch.compile (eager
+    # was right).
     if n_segs >= torch.iinfo(torch.int32).max:
         raise ValueError(f"selected attention: {n_segs} (batch x KV head x key block) segments do not fit the "
                          "reverse index's 32-bit keys: split the batch")
+    key_dtype = _sort_key_dtype(n_segs)
     seg = torch.arange(B * H, device=device).view(B, H, 1, 1) * n_blocks + block_indices
-    key = torch.where(block_indices >= 0, seg, n_segs).to(torch.int32).flatten()
+    key = torch.where(block_indices >= 0, seg, n_segs).to(key_dtype).flatten()
     key, order = torch.sort(key, stable=True)
     query_slot = order % (T * n)
     # Segment s holds the entries [bounds[s], bounds[s + 1]).
-    bounds = torch.searchsorted(key, torch.arange(n_segs + 1, device=device, dtype=torch.int32))
+    bounds = torch.searchsorted(key, torch.arange(n_segs + 1, device=device, dtype=key_dtype))
     per_item = _item_queries(key.numel())
     n_items = (bounds[1:] - bounds[:-1] + per_item - 1) // per_item
     seg_items = torch.cat([n_items.new_zeros(1), torch.cumsum(n_items, 0)])
