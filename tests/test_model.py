@@ -85,13 +85,29 @@ def test_compression_equals_phi_of_each_block(block, stride, T):
             torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+class RecordLinearWeights(torch.overrides.TorchFunctionMode):
+    """The weight shapes of the F.linear calls made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.shapes.append(args[1].shape)
+        return func(*args, **(kwargs or {}))
+
+
 def test_query_and_gate_share_one_product():
     """NSA's wq and gate run as one product of stacked weights: each output and gradient equals its own Linear's,
     in float64 (a swapped or misaligned split would mix the gate logits into the queries)."""
     attention = build(dtype=torch.float64, nsa=TINY_NSA).layers["0"].attention
     torch.nn.init.normal_(attention.gate.bias)
     x = torch.randn(2, 5, attention.wq.in_features, dtype=torch.float64)
-    q, logits = attention._query_and_gate_logits(x)
+    with RecordLinearWeights() as weights:
+        q, logits = attention._query_and_gate_logits(x)
+    # one product, its rows padded to a multiple of 64 (aligned output rows keep cuBLAS on its Hopper kernels)
+    assert [rows % 64 for rows, _ in weights.shapes] == [0], weights.shapes
     torch.testing.assert_close(q, attention.wq(x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logits, attention.gate(x), rtol=1e-12, atol=1e-12)
     params = [attention.wq.weight, attention.gate.weight, attention.gate.bias]
