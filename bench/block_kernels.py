@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import sys
+
+# On the CPU the NSA ops' Triton kernels run through the interpreter, which has to be on before triton is imported
+# (without it inductor finds no Triton driver on a machine without a GPU).
+if __name__ == "__main__" and "cuda" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from torch._inductor.utils import run_and_get_code
