@@ -201,8 +201,8 @@ class ModelArgs:
                  <= MAX_FUSED_BLOCKS, "nsa.window_backend",
                  f"= 'fused_with_selected' runs sequences of at most {MAX_FUSED_BLOCKS} selection blocks "
                  f"({MAX_FUSED_BLOCKS * a.sel_block_size} tokens; its work grows as T^2), but model.max_seq_len = "
-                 f"{self.max_seq_len}: lower model.max_seq_len, or set window_backend = 'gluon_hopper' (Hopper, bf16) or "
-                 "'flex'"),
+                 f"{self.max_seq_len}: lower model.max_seq_len, or set window_backend = 'gluon_hopper' (Hopper, "
+                 "bf16) or 'flex'"),
                 (a.cmp_backend == "triton" or a.backend == "triton", "nsa.cmp_backend",
                  f"= {a.cmp_backend!r} needs backend = 'triton' (the reference computes every branch itself): "
                  "set model.nsa.backend = 'triton' (a CUDA GPU), or leave cmp_backend at 'triton'"),
