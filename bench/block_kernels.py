@@ -22,7 +22,7 @@ import sys
 
 # On the CPU the NSA ops' Triton kernels run through the interpreter, which has to be on before triton is imported
 # (without it inductor finds no Triton driver on a machine without a GPU).
-if __name__ == "__main__" and "cuda" not in sys.argv:
+if __name__ == "__main__" and not any("cuda" in arg for arg in sys.argv[1:]):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
