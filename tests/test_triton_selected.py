@@ -141,7 +141,7 @@ def test_reverse_index_lists_each_blocks_choosers_in_query_order(B: int, H: int,
                                                                  key_dtype: torch.dtype):
     """Each key block's work items hold exactly the (query, slot) pairs that chose it, in ascending query order, cut
     into items of at most `_item_queries` pairs. At 196k tokens of nsa-125m, segment * T passes 2^31: the size where
-    the former 64-bit sort keys were used; past 32,767 segments the sort keys are 32-bit, below 16-bit."""
+    the former 64-bit sort keys were used; past 32,767 segments the sort keys are 32-bit, up to them 16-bit."""
     gen = torch.Generator().manual_seed(T)
     n_blocks = -(-T // block)
     assert triton_selected._sort_key_dtype(B * H * n_blocks) == key_dtype

@@ -537,7 +537,7 @@ def reverse_index(block_indices: Tensor, block_size: int,
     # A stable sort of each entry's segment (its padding: n_segs, past every segment) orders the entries by segment
     # and, within one, by query (the flattened [B, H, T, n] order); the sort's indices give each entry's t * n + slot.
     # Every key and every value compared is at most n_segs, so the keys take the narrowest integer type that holds
-    # it: 16 bits below 32,767 segments (nsa-125m's 2048 at 2k and 8k, 8192 at 128k), a radix sort of half the
+    # it: 16 bits up to 32,767 segments (nsa-125m's 2048 at 2k and 8k, 8192 at 128k), a radix sort of half the
     # passes of 32-bit keys, which hold the rest. Sorting segment * T + t instead needed 64-bit keys past 2^31
     # (B * H * T^2 / l' of them: nsa-125m from 185k tokens on), and there Inductor's GPU code for the segment
     # bounds' search values (arange * T) overflowed: wrong work items and NaN outputs under torch.compile (eager
