@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nsa_models.nsa import triton_common
 from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptor, load_head_rows, query_offsets, row_offset
-from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _sees, _tiling
+from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 # Padded group sizes up to this run the selection's loop branch-free, so that the compiler prefetches the key tiles
@@ -40,15 +40,16 @@ _PIPELINE_MAX_GP = 8
 
 
 @triton.jit
-def _probabilities(q, K, lse, b, h, n0, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H: tl.constexpr,
-                   D: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                   PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+def _probabilities(q, K, lse, b, h, n0, seen, first_cmp, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
+                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   DOC_MASK: tl.constexpr):
     """The tile's compressed-attention probabilities p [BM, BN] of blocks [n0, n0 + BN) (0 where not visible) and
-    their scores s (log2 units, finite everywhere)."""
-    n = n0 + tl.arange(0, BN)
+    their scores s (log2 units, finite everywhere). Row r sees the blocks below seen[r] (from first_cmp[r] on, with
+    documents); lse is +inf on rows that see no block or do not exist, whose p is then 0 without a test."""
+    n = tl.cast(n0, tl.int32) + tl.arange(0, BN)  # 32-bit compares: half the instructions of 64-bit ones
     k = load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    visible = _sees(n[None, :], Q0 + t[:, None], NC, L, S) & row_ok[:, None]
+    visible = n[None, :] < seen[:, None]
     if DOC_MASK:
         visible &= n[None, :] >= first_cmp
     return tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), s
@@ -71,7 +72,11 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     K = head_rows_descriptor(K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a query that sees no block: every p below is masked to 0
+    # The probabilities' lse: +inf where a row sees no block or does not exist (its p is 0 in every tile); the
+    # entropy's: 0 there (as its sum of p * s).
+    lse_p = tl.where(row_ok & (lse != float("-inf")), lse, float("inf"))
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    seen = _n_visible(Q0 + t, NC, L, S).to(tl.int32)  # each row's visible compressed blocks: [0, seen)
     tq = t0 + tl.arange(0, QB)  # the tile's query rows (at positions Q0 + tq)
     current = (Q0 + tq) // SEL
     t_last = Q0 + tl.minimum(t0 + QB, T) - 1  # the tile's last position
@@ -93,8 +98,8 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     # writes the candidates directly and its loop sums only the entropy's p * s.
     if not STORE_KEYS and t_last // SEL - tile_first < N_SEL:
         for n0 in range(j_lo * PS, n_vis, BN):
-            p, s = _probabilities(q, K, lse, b, h, n0, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H, D, L, S,
-                                  BN, BD, PRECISION, TMA, DOC_MASK)
+            p, s = _probabilities(q, K, lse_p, b, h, n0, seen, first_cmp, NC, d, d_ok, qk_scale, H, D, BN, BD,
+                                  PRECISION, TMA, DOC_MASK)
             plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
         chosen = first + rank  # ascending, -1 padding last (past the query's own block), as the ranked path
         chosen = tl.where(chosen <= current[:, None], chosen, -1).to(tl.int64)
@@ -120,8 +125,8 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
             # A tile none of whose blocks the queries see adds nothing; skipping it puts a branch around the key
             # loads, which the pipeliner does not prefetch into (`_PIPELINE_MAX_GP`).
             if PIPELINED or j0 * PS < n_vis:
-                p, s = _probabilities(q, K, lse, b, h, j0 * PS, t, row_ok, first_cmp, Q0, NC, d, d_ok, qk_scale, H,
-                                      D, L, S, BN, BD, PRECISION, TMA, DOC_MASK)
+                p, s = _probabilities(q, K, lse_p, b, h, j0 * PS, seen, first_cmp, NC, d, d_ok, qk_scale, H, D, BN,
+                                      BD, PRECISION, TMA, DOC_MASK)
                 plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
                 # The group's heads share one selection: sum their rows (linear, so after the overlap product).
                 # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
