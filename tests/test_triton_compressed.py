@@ -47,17 +47,19 @@ def reference(q, k, v, args):
 
 
 # (B, T, H, G, D, l/d/l', n, keys per tile): T < l, T not a multiple of any block, G of 1, 2, 3 (forward and dQ
-# tiles of 21 positions x 3 heads; dK/dV and the selection pad to 4) and 4, both overlap patterns (l = 2d and
-# l = d = l'), n above the candidate count (padding), D not a power of two, and small tiles so that loops run over
-# several key tiles (the selection's overlap carried across them) and reach the unmasked tiles (whose unused rows
-# and rows past T must add nothing).
+# tiles of 21 positions x 3 heads; dK/dV and the selection in head slices of 2 + 1 rows a position), 4 and 7 (slices
+# of 4 + 3 heads, the second padded to 4 rows a position), both overlap patterns (l = 2d and l = d = l'), n above the
+# candidate count (padding), D not a power of two, and small tiles so that loops run over several key tiles (the
+# selection's overlap carried across them) and reach the unmasked tiles (whose unused rows and rows past T must add
+# nothing).
 CASES = [(1, 20, 1, 2, 16, (32, 16, 64), 3, 64, True),
          (2, 37, 1, 1, 16, (16, 16, 16), 4, 64, False),
          (1, 70, 2, 3, 16, (32, 16, 16), 3, 64, True),
          (1, 130, 2, 4, 24, (32, 16, 64), 2, 64, True),
          (1, 200, 1, 2, 16, (16, 8, 32), 5, 64, False),
          (1, 300, 2, 2, 16, (16, 8, 16), 6, 16, True),
-         (1, 200, 2, 3, 16, (32, 16, 64), 4, 16, False)]
+         (1, 200, 2, 3, 16, (32, 16, 64), 4, 16, False),
+         (1, 90, 1, 7, 16, (32, 16, 16), 3, 16, True)]
 
 
 # tma: keys and values through the kernels' device-side TMA descriptors (at these head dims, only when told to), or
@@ -115,8 +117,8 @@ def test_compressed_attention_and_selection_match_reference(B, T, H, G, D, block
     assert torch.equal(select_topn(q32.detach(), k32.detach(), lse, l, d, lp, n, D ** -0.5)[0], idx)
 
 
-# (G, l', n, documents' lengths per row or None, q_start): query tiles of 32 (G = 2) or 16 (G = 3, padded to 4)
-# positions. Each case has tiles whose every query has at most n candidates (written directly), tiles whose every
+# (G, l', n, documents' lengths per row or None, q_start): query tiles of 32 positions (G = 2; G = 3 in head slices
+# of 2 + 1). Each case has tiles whose every query has at most n candidates (written directly), tiles whose every
 # query has more (ranked) and tiles mixing both (ranked). With l' = 8 the last document of row 1 starts past the
 # first key tile of 16 selection blocks: its tiles' loops start at the second.
 ALL_CHOSEN_CASES = [(2, 16, 3, ROWS, 0), (3, 8, 4, [[20, 90, 29], [5, 128, 20]], 0), (3, 16, 3, None, 8)]

@@ -15,8 +15,9 @@ tiles (or query steps) of the documents before (after) the ones its tile touches
 A tile's rows are QB consecutive query positions x the G heads of one KV group (row r is head r % GP of position
 t0 + r // GP, QB = BM // GP), so every query of the group shares the loaded keys and a small G still fills the
 matrix-unit rows with positions. The forward and dQ take GP = G (21 positions, 63 rows at G = 3); dK/dV and
-the selection pad the heads to a power of two GP (unpadded, dK/dV spills; the selection's group sum reshapes the
-rows into [QB, GP]). Key/value tiles come through TMA descriptors made on the device at D = 128
+the selection take the heads in two slices of power-of-two rows a position (`_head_slices`: 2 + 1 at G = 3;
+with G rows a position dK/dV spills, and the selection's group sum reshapes each slice's rows into [QB, GP]).
+Key/value tiles come through TMA descriptors made on the device at D = 128
 (`triton_common.kv_sources`), query rows through pointer loads (a tile's unused rows must read as zeros).
 
 - Forward: online softmax over the visible compressed blocks; writes o and the fp32 log-sum-exp. Only the key
@@ -53,7 +54,7 @@ from nsa_models.nsa.triton_common import (
     softmax_output,
 )
 
-_ROWS = 64  # rows per tile: query positions x the group's heads (padded to a power of two in dK/dV and the selection)
+_ROWS = 64  # rows per tile: query positions x the group's heads (a slice of them in dK/dV and the selection)
 _KEYS = 64  # compressed blocks per tile (forward, dQ, selection: BJ * l'/d of them)
 _KEYS_BWD = 64  # compressed blocks per dK/dV program: each query row loaded serves this many keys
 # Query positions per dK/dV program: enough programs to fill the GPU at short T (about _BWD_PROGRAMS: several per
@@ -66,13 +67,15 @@ _BWD_CHUNKS_MAX = 32
 
 
 @triton.jit
-def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr):
-    """Query positions [BM], rows of [B * T * HQ] [BM] and their validity for the tile starting at t0."""
+def _tile_rows(t0, b, h, T, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
+               G0: tl.constexpr = 0):
+    """Query positions [BM], rows of [B * T * HQ] [BM] and their validity for the tile starting at t0: GP rows a
+    position, the group's heads from G0 on (a slice of the group: `_head_slices`)."""
     r = tl.arange(0, BM)
     t = t0 + r // GP
     g = r % GP
-    ok = (g < G) & (t < T) & (r < BM // GP * GP)  # the rows past QB whole positions are unused
-    return t, (b * T + t) * (H * G) + h * G + g, ok
+    ok = (g < G - G0) & (t < T) & (r < BM // GP * GP)  # the rows past QB whole positions are unused
+    return t, (b * T + t) * (H * G) + h * G + G0 + g, ok
 
 
 @triton.jit
@@ -233,13 +236,15 @@ def _bwd_dq_kernel(Q, K, V, DOC, DO, LSE, DELTA, DQ, T, NC, Q0, Q0_ODD, qk_scale
 
 @triton.jit
 def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, NC, Q0, d, d_ok, qk_scale,
-               H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-               BM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, DOC_MASK: tl.constexpr = False):
-    """Add the terms of the query steps from rows lo to hi (before `stop`) to a key tile's dk, dv; MASKED: mask
-    the blocks a row's query does not see yet (only the first steps after a tile's blocks end need it); DOC_MASK:
-    also those before its document. Rows at or past `stop` add 0: their q, dO, lse and delta load as 0."""
+               H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, G0: tl.constexpr, D: tl.constexpr,
+               L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+               DOC_MASK: tl.constexpr = False):
+    """Add the terms of the query steps from rows lo to hi (before `stop`) of the heads [G0, G0 + GP) to a key
+    tile's dk, dv; MASKED: mask the blocks a row's query does not see yet (only the first steps after a tile's
+    blocks end need it); DOC_MASK: also those before its document. Rows at or past `stop` add 0: their q, dO, lse
+    and delta load as 0."""
     for t0 in range(lo, hi, BM // GP):
-        t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
+        t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM, G0)
         row_ok &= t < stop
         qd_mask = row_ok[:, None] & d_ok[None, :]
         q, do, lse, delta = load_rows(Q, DO, LSE, DELTA, rows, row_ok, qd_mask, d, D)
@@ -255,11 +260,45 @@ def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, N
     return dk, dv
 
 
+@triton.jit
+def _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK, d, d_ok,
+                qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, G0: tl.constexpr, D: tl.constexpr,
+                L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+                DOC_MASK: tl.constexpr):
+    """Add to the key tile's dk, dv the terms of this chunk's queries in the heads [G0, G0 + GP) of the group, GP
+    rows a position (the step: BM // GP positions)."""
+    QB: tl.constexpr = BM // GP
+    stop = tl.minimum(chunk * CHUNK + CHUNK, T)
+    # This chunk's query rows, from the first one that sees the tile's first block on (none: zero partials); from
+    # the first step whose queries all see the tile's last block on, unmasked. (Row = position - Q0.)
+    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1 - Q0)
+    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1 - Q0
+    unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), QB) * QB, stop)
+    whole = stop
+    if DOC_MASK:
+        # The queries past the end of the document holding the tile's last block see none of it, and those of
+        # the document holding its first block (to `whole`) every block that the causal rule lets them.
+        ends = DOC_END + b * T
+        stop = tl.minimum(stop, tl.load(ends + tl.minimum((tl.minimum(tile * BN + BN, NC) - 1) * S, T - 1)))
+        unmasked = tl.minimum(unmasked, stop)
+        whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
+        # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
+        whole = tl.where(whole >= stop, stop, unmasked + tl.maximum(whole - unmasked, 0) // QB * QB)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, Q0, d, d_ok,
+                        qk_scale, H, G, GP, G0, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=DOC_MASK)
+    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, unmasked, whole, stop, T, NC, Q0, d, d_ok,
+                        qk_scale, H, G, GP, G0, D, L, S, BM, PRECISION, MASKED=False)
+    if DOC_MASK:
+        dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, whole, stop, stop, T, NC, Q0, d, d_ok,
+                            qk_scale, H, G, GP, G0, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=True)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD", "CHUNK"])
 def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T, NC, Q0, Q0_ODD, CHUNK, qk_scale, scale,
-                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-                     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                     TMA: tl.constexpr, DOC_MASK: tl.constexpr):
+                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
+                     L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                     PRECISION: tl.constexpr, TMA: tl.constexpr, DOC_MASK: tl.constexpr):
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     tile, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     bh = tl.program_id(2).to(tl.int64)
@@ -272,29 +311,12 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
     k, v = _load_keys(K, V, b, h, tile * BN, NC, d, d_ok, BN, H, D, BD, TMA)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
-    stop = tl.minimum(chunk * CHUNK + CHUNK, T)
-    # This chunk's query rows, from the first one that sees the tile's first block on (none: zero partials); from
-    # the first step whose queries all see the tile's last block on, unmasked. (Row = position - Q0.)
-    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1 - Q0)
-    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1 - Q0
-    unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), BM // GP) * (BM // GP), stop)
-    whole = stop
-    if DOC_MASK:
-        # The queries past the end of the document holding the tile's last block see none of it, and those of
-        # the document holding its first block (to `whole`) every block that the causal rule lets them.
-        ends = DOC_END + b * T
-        stop = tl.minimum(stop, tl.load(ends + tl.minimum((tl.minimum(tile * BN + BN, NC) - 1) * S, T - 1)))
-        unmasked = tl.minimum(unmasked, stop)
-        whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
-        # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
-        whole = tl.where(whole >= stop, stop, unmasked + tl.maximum(whole - unmasked, 0) // (BM // GP) * (BM // GP))
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, Q0, d, d_ok,
-                        qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=DOC_MASK)
-    dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, unmasked, whole, stop, T, NC, Q0, d, d_ok,
-                        qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=False)
-    if DOC_MASK:
-        dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, whole, stop, stop, T, NC, Q0, d, d_ok,
-                            qk_scale, H, G, GP, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=True)
+    # The group's heads in two slices (`_head_slices`): [0, GP), then [GP, G) padded to GB rows a position.
+    dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK, d,
+                         d_ok, qk_scale, H, G, GP, 0, D, L, S, BM, BN, PRECISION, DOC_MASK)
+    if GB > 0:
+        dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK,
+                             d, d_ok, qk_scale, H, G, GB, GP, D, L, S, BM, BN, PRECISION, DOC_MASK)
     kv_base = b * NC * H * D + h * D
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]
@@ -302,17 +324,26 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
     tl.store(DV_PART + ptr, dv, mask=mask)
 
 
-def _tiling(G: int, D: int, dtype: torch.dtype, pad_heads: bool = False) -> dict:
-    """Rows per query position (G, or the next power of two with pad_heads), padded head dim and the dot
-    precision (exact fp32 for fp32 inputs).
+def _head_slices(G: int) -> tuple[int, int]:
+    """The group's heads as two slices of power-of-two rows a position, for the kernels whose tiles need them
+    (dK/dV, the selection): the largest power of two GP <= G, then the rest padded to a power of two GB (0: no
+    rest). G = 3 takes 2 + 1 rows a position instead of padding to 4, G = 6 4 + 2, G = 7 4 + 4."""
+    GP = 1 << (G.bit_length() - 1)
+    return GP, triton.next_power_of_2(G - GP) if G > GP else 0
+
+
+def _tiling(G: int, D: int, dtype: torch.dtype, sliced: bool = False) -> dict:
+    """Rows per query position (G; sliced: the two slices of `_head_slices`, GP and GB), padded head dim and the
+    dot precision (exact fp32 for fp32 inputs).
 
     G rows a position instead of 4 at G = 3 (H200, bf16, kernel ms, forward / dQ): nsa-125m (D = 64) 16 x 2k
     0.097 / 0.089 -> 0.078 / 0.073, 1 x 32k 0.384 / 0.388 -> 0.305 / 0.317, 1 x 64k 1.36 / 1.40 -> 1.06 / 1.13;
     1 x 32k, D = 128 2.38 / 2.86 -> 1.85 / 2.22."""
-    GP = triton.next_power_of_2(G) if pad_heads else G
-    if GP > _ROWS:
+    if G > _ROWS:
         raise ValueError(f"compressed attention: GQA group size {G} is above {_ROWS}")
-    return dict(G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype))
+    rows = dict(zip(("GP", "GB"), _head_slices(G))) if sliced else dict(GP=G)
+    return dict(G=G, D=D, BD=triton.next_power_of_2(D), BM=_ROWS, PRECISION=triton_common.dot_precision(dtype),
+                **rows)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, block: int, stride: int,
@@ -413,8 +444,9 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
         **tiles, **args)
     # dK/dV: one program per (tile of compressed blocks, chunk of queries); the chunks' fp32 partial sums are
     # added in a fixed order (torch's sum), so no program waits on the whole causal range of a block. Its steps
-    # keep the heads padded to a power of two: with G rows a position (G = 3) it spilled 104 registers at D = 64
-    # (none padded) and 140 at D = 128 (18 padded), and ran 1.4-1.6x slower (H200: 1 x 32k, D = 64, 0.83 -> 1.15 ms).
+    # take the group's heads in power-of-two slices (`_head_slices`): with G rows a position (G = 3) it spilled 104
+    # registers at D = 64 and 140 at D = 128, and ran 1.4-1.6x slower than with the heads padded to 4 (H200: 1 x 32k,
+    # D = 64, 0.83 -> 1.15 ms); slices of 2 + 1 rows a position do a quarter fewer steps than the padding.
     n_tiles = triton.cdiv(NC, _KEYS_BWD)
     chunk = _dkdv_chunk(T, n_tiles, B * H)
     n_chunks = triton.cdiv(T, chunk)
@@ -423,7 +455,7 @@ def compressed_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
     if NC:
         triton_common.op_launch(_bwd_dkdv_kernel)[(n_tiles, n_chunks, B * H)](
             q, *triton_common.kv_sources(k, v), doc_start, doc_end, do, lse, delta, dk_part, dv_part, T, NC, q_start,
-            q_start_odd, chunk, scale * LOG2E, scale, BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, pad_heads=True),
+            q_start_odd, chunk, scale * LOG2E, scale, BN=_KEYS_BWD, **_tiling(HQ // H, D, q.dtype, sliced=True),
             **args)
     return dq, dk_part.sum(0).to(k.dtype), dv_part.sum(0).to(v.dtype)
 

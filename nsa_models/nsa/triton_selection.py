@@ -1,7 +1,7 @@
 """The top-n block selection (NSA branches 2-3) in Triton, as the torch op `nsa::select_topn` (`kernel_op`).
 
 It reruns the compressed attention's scores (`triton_compressed`: layouts, block visibility and query tiles as
-there, the heads padded to a power of two) from the log-sum-exp `compressed_attention_fwd` returns. With packed
+there, the heads in two power-of-two slices) from the log-sum-exp `compressed_attention_fwd` returns. With packed
 documents (doc_start [B, T] int32, multiples of l'), a query's candidates are the blocks of its document. Query row
 r sits at position q_start + r (a runtime argument; q_start_odd in odd batch rows, as in `triton_compressed`): its
 candidates and forced blocks are those of that position.
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nsa_models.nsa import triton_common
 from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptor, load_head_rows, query_offsets, row_offset
-from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _query_tile, _tiling
+from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _tile_rows, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 # Padded group sizes up to this run the selection's loop branch-free, so that the compiler prefetches the key tiles
@@ -40,14 +40,33 @@ _PIPELINE_MAX_GP = 8
 
 
 @triton.jit
-def _probabilities(q, K, lse, b, h, n0, seen, first_cmp, NC, d, d_ok, qk_scale, H: tl.constexpr, D: tl.constexpr,
-                   BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+def _slice_rows(Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                G0: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
+                DOC_MASK: tl.constexpr):
+    """The rows [BM] of one slice of the group's heads (GP rows a position from head G0 on, `_head_slices`) for the
+    tile of positions from t0: q [BM, BD]; the probabilities' lse (log2 units; +inf where a row sees no block or
+    does not exist, whose p is then 0 in every tile) and the entropy's (0 there); each row's visible compressed
+    blocks [first_cmp, seen) (first_cmp: 0 without documents); rows and their validity."""
+    t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM, G0)
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse_p = tl.where(row_ok & (lse != float("-inf")), lse, float("inf"))
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    seen = _n_visible(Q0 + t, NC, L, S).to(tl.int32)
+    first_cmp = 0
+    if DOC_MASK:
+        first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
+    return q, lse_p, lse, seen, first_cmp, rows, row_ok
+
+
+@triton.jit
+def _probabilities(q, k, lse, n0, seen, first_cmp, qk_scale, BN: tl.constexpr, PRECISION: tl.constexpr,
                    DOC_MASK: tl.constexpr):
-    """The tile's compressed-attention probabilities p [BM, BN] of blocks [n0, n0 + BN) (0 where not visible) and
-    their scores s (log2 units, finite everywhere). Row r sees the blocks below seen[r] (from first_cmp[r] on, with
-    documents); lse is +inf on rows that see no block or do not exist, whose p is then 0 without a test."""
+    """A slice's compressed-attention probabilities p [BM, BN] of the key tile k of blocks [n0, n0 + BN) (0 where
+    not visible) and their scores s (log2 units, finite everywhere). Row r sees the blocks below seen[r] (from
+    first_cmp[r] on, with documents); lse is +inf on rows that see no block or do not exist, whose p is then 0
+    without a test."""
     n = tl.cast(n0, tl.int32) + tl.arange(0, BN)  # 32-bit compares: half the instructions of 64-bit ones
-    k = load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     visible = n[None, :] < seen[:, None]
     if DOC_MASK:
@@ -55,41 +74,58 @@ def _probabilities(q, K, lse, b, h, n0, seen, first_cmp, NC, d, d_ok, qk_scale, 
     return tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), s
 
 
+@triton.jit
+def _slice_scores(q, k, lse, n0, seen, first_cmp, overlap, spill, qk_scale, QB: tl.constexpr, GP: tl.constexpr,
+                  BJ: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
+    """A slice's share of the key tile of blocks [n0, n0 + BN): its rows' sums of p * s (the entropy's), the
+    selection blocks' scores [QB, BJ] summed over its heads and the overlap carried into the next tile [QB]."""
+    p, s = _probabilities(q, k, lse, n0, seen, first_cmp, qk_scale, BN, PRECISION, DOC_MASK)
+    # The group's heads share one selection: sum their rows (linear, so after the overlap product). At the kernel's
+    # precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live, spilled registers and took 3x as long at
+    # 64k, and rounding p to tf32 (2^-11 relative) only reorders blocks whose scores tie to within that (measured:
+    # 0.4% of rows at 64k).
+    per_row = tl.dot(p, overlap, input_precision=PRECISION)
+    return (tl.sum(p * s, 1), tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1),
+            tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1))
+
+
 @triton.jit(do_not_specialize=["T", "NC", "Q0", "Q0_ODD", "NS", "N_SEL", "IDX_BITS"])
 def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL, IDX_BITS, qk_scale, H: tl.constexpr,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-                   SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
-                   DOC_MASK: tl.constexpr):
+                   G: tl.constexpr, GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                   S: tl.constexpr, SEL: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr,
+                   PRECISION: tl.constexpr, WIDE_KEYS: tl.constexpr, STORE_KEYS: tl.constexpr, TMA: tl.constexpr,
+                   PIPELINED: tl.constexpr, DOC_MASK: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 when inductor launches it (`triton_common.kernel_op`)
-    QB: tl.constexpr = BM // GP
+    QB: tl.constexpr = BM // GP  # query positions a tile
+    BMB: tl.constexpr = QB * GB  # rows of the group's second slice of heads (`_head_slices`)
     PS: tl.constexpr = SEL // S  # compressed-block starts per selection block
     PB: tl.constexpr = L // S  # stride segments per compressed block
     BN: tl.constexpr = BJ * PS
     bh = tl.program_id(1).to(tl.int64)
-    t0, t, rows, row_ok, d, d_ok, qd_mask, b, h = _query_tile(T, H, G, GP, D, BM, BD)
+    b, h = bh // H, bh % H
+    t0 = tl.program_id(0).to(tl.int64) * QB
+    d = tl.arange(0, BD)
+    d_ok = d < D
     Q0 = row_offset(Q0, Q0_ODD, b)
     K = head_rows_descriptor(K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
-    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=qd_mask, other=0.0)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    # The probabilities' lse: +inf where a row sees no block or does not exist (its p is 0 in every tile); the
-    # entropy's: 0 there (as its sum of p * s).
-    lse_p = tl.where(row_ok & (lse != float("-inf")), lse, float("inf"))
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    seen = _n_visible(Q0 + t, NC, L, S).to(tl.int32)  # each row's visible compressed blocks: [0, seen)
+    # The group's heads in two slices: [0, GP) in the tile's BM rows, [GP, G) in BMB more (GB > 0).
+    q, lse_p, lse, seen, first_cmp, rows, row_ok = _slice_rows(Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H, G, GP, 0,
+                                                               BM, D, L, S, DOC_MASK)
+    plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
+    if GB > 0:
+        q_b, lse_p_b, lse_b, seen_b, first_cmp_b, rows_b, row_ok_b = _slice_rows(
+            Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H, G, GB, GP, BMB, D, L, S, DOC_MASK)
+        plogp_sum_b = tl.zeros([BMB], tl.float32)
     tq = t0 + tl.arange(0, QB)  # the tile's query rows (at positions Q0 + tq)
     current = (Q0 + tq) // SEL
     t_last = Q0 + tl.minimum(t0 + QB, T) - 1  # the tile's last position
     n_vis = _n_visible(t_last, NC, L, S)
-    plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
     rank = tl.arange(0, BJ)[None, :]
     j_lo = 0
     first = 0  # each query's first candidate: its document's first block
-    first_cmp = 0  # each row's first visible compressed block
     tile_first = 0  # the tile's first query's document's first block (documents only start later along the tile)
     if DOC_MASK:
         first = (tl.load(DOC + b * T + tq, mask=tq < T, other=0) // SEL)[:, None]
-        first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
         tile_first = tl.load(DOC + b * T + t0) // SEL
         if not STORE_KEYS:  # the tiles before the tile's first document hold no candidate (and no overlap carry)
             j_lo = tile_first // BJ * BJ
@@ -98,9 +134,12 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     # writes the candidates directly and its loop sums only the entropy's p * s.
     if not STORE_KEYS and t_last // SEL - tile_first < N_SEL:
         for n0 in range(j_lo * PS, n_vis, BN):
-            p, s = _probabilities(q, K, lse_p, b, h, n0, seen, first_cmp, NC, d, d_ok, qk_scale, H, D, BN, BD,
-                                  PRECISION, TMA, DOC_MASK)
+            k = load_head_rows(K, b, h, n0, NC, d, d_ok, BN, H, D, BD, TMA)
+            p, s = _probabilities(q, k, lse_p, n0, seen, first_cmp, qk_scale, BN, PRECISION, DOC_MASK)
             plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
+            if GB > 0:
+                p, s = _probabilities(q_b, k, lse_p_b, n0, seen_b, first_cmp_b, qk_scale, BN, PRECISION, DOC_MASK)
+                plogp_sum_b += tl.sum(p * s, 1)
         chosen = first + rank  # ascending, -1 padding last (past the query's own block), as the ranked path
         chosen = tl.where(chosen <= current[:, None], chosen, -1).to(tl.int64)
     else:
@@ -125,16 +164,18 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
             # A tile none of whose blocks the queries see adds nothing; skipping it puts a branch around the key
             # loads, which the pipeliner does not prefetch into (`_PIPELINE_MAX_GP`).
             if PIPELINED or j0 * PS < n_vis:
-                p, s = _probabilities(q, K, lse_p, b, h, j0 * PS, seen, first_cmp, NC, d, d_ok, qk_scale, H, D, BN,
-                                      BD, PRECISION, TMA, DOC_MASK)
-                plogp_sum += tl.sum(p * s, 1)  # p = 0 where not visible, and s is finite there
-                # The group's heads share one selection: sum their rows (linear, so after the overlap product).
-                # [BM, BJ]; at the kernel's precision (tf32 for bf16 inputs): tf32x3 here held 3 more tiles live,
-                # spilled registers and took 3x as long at 64k, and rounding p to tf32 (2^-11 relative) only
-                # reorders blocks whose scores tie to within that (measured: 0.4% of rows at 64k).
-                per_row = tl.dot(p, overlap, input_precision=PRECISION)
-                score += tl.sum(tl.reshape(per_row, (QB, GP, BJ)), 1)
-                carry = tl.sum(tl.reshape(tl.sum(p * spill[None, :], 1), (QB, GP)), 1)
+                k = load_head_rows(K, b, h, j0 * PS, NC, d, d_ok, BN, H, D, BD, TMA)
+                plogp, part, spilled = _slice_scores(q, k, lse_p, j0 * PS, seen, first_cmp, overlap, spill,
+                                                     qk_scale, QB, GP, BJ, BN, PRECISION, DOC_MASK)
+                plogp_sum += plogp  # p = 0 where not visible, and s is finite there
+                score += part
+                carry = spilled
+                if GB > 0:
+                    plogp, part, spilled = _slice_scores(q_b, k, lse_p_b, j0 * PS, seen_b, first_cmp_b, overlap,
+                                                         spill, qk_scale, QB, GB, BJ, BN, PRECISION, DOC_MASK)
+                    plogp_sum_b += plogp
+                    score += part
+                    carry += spilled
             forced = (j[None, :] == first) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
             score = tl.where(forced, float("inf"), score)
             score = tl.where((j[None, :] > current[:, None]) | (j[None, :] >= NS), float("-inf"), score)
@@ -155,6 +196,8 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     idx_ptr = (bh * T + tq[:, None]) * N_SEL + rank
     tl.store(IDX + idx_ptr, chosen, mask=(tq < T)[:, None] & (rank < N_SEL))
     tl.store(ENT + rows, (lse - plogp_sum) * 0.6931471805599453, mask=row_ok)
+    if GB > 0:
+        tl.store(ENT + rows_b, (lse_b - plogp_sum_b) * 0.6931471805599453, mask=row_ok_b)
 
 
 def _wide_keys(dtype: torch.dtype, n_sel: int) -> bool:
@@ -179,7 +222,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
         raise ValueError(f"selection: l' = {sel_block} must be a multiple of d = {stride}, and l = {block} at most "
                          "l' + d (a compressed block overlaps at most two selection blocks)")
     q, k, lse, doc_start = q.contiguous(), k.contiguous(), lse.contiguous(), _contiguous(doc_start)
-    tiles = _tiling(HQ // H, D, q.dtype, pad_heads=True)
+    tiles = _tiling(HQ // H, D, q.dtype, sliced=True)
     q_start, q_start_odd = query_offsets(q_start, q_start_odd)
     # Blocks up to the last query's: later ones are never candidates (the keys may run on past it).
     n_sel = triton.cdiv(max(q_start, q_start_odd) + T, sel_block)
@@ -194,7 +237,7 @@ def _select(q: Tensor, k: Tensor, lse: Tensor, block: int, stride: int, sel_bloc
     # tile's compressed blocks fit in one box.
     tile_keys = per_tile * sel_block // stride
     tma = tile_keys <= _TMA_BOX_ROWS and triton_common.kv_tma(k)
-    pipelined = tiles["GP"] <= _PIPELINE_MAX_GP
+    pipelined = tiles["GP"] + tiles["GB"] <= _PIPELINE_MAX_GP  # rows a position, both slices
     launch(_select_kernel)[grid](q, triton_common.tma_source(k) if tma else k, lse, doc_start, idx, entropy, keys,
                                  T, NC, q_start, q_start_odd, n_sel, n_selected,
                                  32 if wide else (n_sel - 1).bit_length(), scale * LOG2E, H=H, L=block, S=stride,
