@@ -40,14 +40,13 @@ _PIPELINE_MAX_GP = 8
 
 
 @triton.jit
-def _slice_rows(Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                G0: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-                DOC_MASK: tl.constexpr):
-    """The rows [BM] of one slice of the group's heads (GP rows a position from head G0 on, `_head_slices`) for the
-    tile of positions from t0: q [BM, BD]; the probabilities' lse (log2 units; +inf where a row sees no block or
-    does not exist, whose p is then 0 in every tile) and the entropy's (0 there); each row's visible compressed
-    blocks [first_cmp, seen) (first_cmp: 0 without documents); rows and their validity."""
-    t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM, G0)
+def _slice_rows(Q, LSE, DOC, t, rows, row_ok, b, T, NC, Q0, d, d_ok, D: tl.constexpr, L: tl.constexpr,
+                S: tl.constexpr, DOC_MASK: tl.constexpr):
+    """What the selection reads of one slice's rows (`_tile_rows`: positions t, rows and their validity): q [BM, BD];
+    the probabilities' lse (log2 units; +inf where a row sees no block or does not exist, whose p is then 0 in every
+    tile) and the entropy's (0 there); each row's visible compressed blocks [first_cmp, seen) (first_cmp: 0 without
+    documents). The rows come from the caller, not from here: inductor counts a store whose addresses derive from a
+    call that takes an input's pointer as writing that input, and copies it before each launch."""
     q = tl.load(Q + rows[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse_p = tl.where(row_ok & (lse != float("-inf")), lse, float("inf"))
@@ -56,7 +55,7 @@ def _slice_rows(Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H: tl.constexpr, G: t
     first_cmp = 0
     if DOC_MASK:
         first_cmp = _first_block(DOC, b, t, T, S)[:, None]  # [BM, 1]: per row, as `visible`
-    return q, lse_p, lse, seen, first_cmp, rows, row_ok
+    return q, lse_p, lse, seen, first_cmp
 
 
 @triton.jit
@@ -109,12 +108,13 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     Q0 = row_offset(Q0, Q0_ODD, b)
     K = head_rows_descriptor(K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
     # The group's heads in two slices: [0, GP) in the tile's BM rows, [GP, G) in BMB more (GB > 0).
-    q, lse_p, lse, seen, first_cmp, rows, row_ok = _slice_rows(Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H, G, GP, 0,
-                                                               BM, D, L, S, DOC_MASK)
+    t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
+    q, lse_p, lse, seen, first_cmp = _slice_rows(Q, LSE, DOC, t, rows, row_ok, b, T, NC, Q0, d, d_ok, D, L, S, DOC_MASK)
     plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
     if GB > 0:
-        q_b, lse_p_b, lse_b, seen_b, first_cmp_b, rows_b, row_ok_b = _slice_rows(
-            Q, LSE, DOC, t0, b, h, T, NC, Q0, d, d_ok, H, G, GB, GP, BMB, D, L, S, DOC_MASK)
+        t_b, rows_b, row_ok_b = _tile_rows(t0, b, h, T, H, G, GB, BMB, GP)
+        q_b, lse_p_b, lse_b, seen_b, first_cmp_b = _slice_rows(Q, LSE, DOC, t_b, rows_b, row_ok_b, b, T, NC, Q0, d,
+                                                               d_ok, D, L, S, DOC_MASK)
         plogp_sum_b = tl.zeros([BMB], tl.float32)
     tq = t0 + tl.arange(0, QB)  # the tile's query rows (at positions Q0 + tq)
     current = (Q0 + tq) // SEL
