@@ -31,11 +31,12 @@ from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptor, load_head_
 from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _tile_rows, _tiling
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
-# Padded group sizes up to this run the selection's loop branch-free, so that the compiler prefetches the key tiles
-# (3 stages); larger ones keep the branch: pipelined, the kernel takes 184 registers instead of 128 at G = 16 (by
-# arithmetic, 2 programs of 4 warps fit an SM instead of 4). Selection op, branch and 2 stages -> branch-free and 3
-# stages (H200, outputs equal): 32k G = 1 4.73 -> 4.21 ms, G = 8 4.36 -> 4.29, G = 2 and 4 even; nsa-125m (G = 3,
-# D = 64) 1 x 32k 1.00 -> 0.96, 16 x 2k 0.134 -> 0.130; G = 16 64k 11.63 -> 13.69, 8k 0.240 -> 0.288.
+# Groups of up to this many rows a position (both head slices) run the selection's loop branch-free, so that the
+# compiler prefetches the key tiles (3 stages); larger ones keep the branch: pipelined, the kernel takes 184 registers
+# instead of 128 at G = 16 (by arithmetic, 2 programs of 4 warps fit an SM instead of 4). Selection op, branch and 2
+# stages -> branch-free and 3 stages (H200, outputs equal): 32k G = 1 4.73 -> 4.21 ms, G = 8 4.36 -> 4.29, G = 2 and
+# 4 even; nsa-125m (G = 3, D = 64) 1 x 32k 1.00 -> 0.96, 16 x 2k 0.134 -> 0.130; G = 16 64k 11.63 -> 13.69, 8k 0.240
+# -> 0.288.
 _PIPELINE_MAX_GP = 8
 
 
