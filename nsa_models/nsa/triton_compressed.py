@@ -261,28 +261,17 @@ def _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, lo, hi, stop, T, N
 
 
 @triton.jit
-def _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK, d, d_ok,
+def _dkdv_slice(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, sees_all, whole, stop, T, NC, Q0, d, d_ok,
                 qk_scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, G0: tl.constexpr, D: tl.constexpr,
-                L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                DOC_MASK: tl.constexpr):
-    """Add to the key tile's dk, dv the terms of this chunk's queries in the heads [G0, G0 + GP) of the group, GP
-    rows a position (the step: BM // GP positions)."""
+                L: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, DOC_MASK: tl.constexpr):
+    """Add to the key tile's dk, dv the terms of the query rows [start, stop) in the heads [G0, G0 + GP) of the
+    group, GP rows a position (a step: BM // GP positions). The kernel's bounds (rows, not yet whole steps):
+    from sees_all on every query sees the tile's last block; with documents, up to whole every query's document
+    holds the tile's first block."""
     QB: tl.constexpr = BM // GP
-    stop = tl.minimum(chunk * CHUNK + CHUNK, T)
-    # This chunk's query rows, from the first one that sees the tile's first block on (none: zero partials); from
-    # the first step whose queries all see the tile's last block on, unmasked. (Row = position - Q0.)
-    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1 - Q0)
-    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1 - Q0
+    # From the first step whose queries all see the tile's last block on, unmasked.
     unmasked = tl.minimum(start + tl.cdiv(tl.maximum(sees_all - start, 0), QB) * QB, stop)
-    whole = stop
-    if DOC_MASK:
-        # The queries past the end of the document holding the tile's last block see none of it, and those of
-        # the document holding its first block (to `whole`) every block that the causal rule lets them.
-        ends = DOC_END + b * T
-        stop = tl.minimum(stop, tl.load(ends + tl.minimum((tl.minimum(tile * BN + BN, NC) - 1) * S, T - 1)))
-        unmasked = tl.minimum(unmasked, stop)
-        whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
-        # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
+    if DOC_MASK:  # in whole steps, unless it reaches `stop` (one document: the unmasked steps as without documents)
         whole = tl.where(whole >= stop, stop, unmasked + tl.maximum(whole - unmasked, 0) // QB * QB)
     dk, dv = _dkdv_rows(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, unmasked, stop, T, NC, Q0, d, d_ok,
                         qk_scale, H, G, GP, G0, D, L, S, BM, PRECISION, MASKED=True, DOC_MASK=DOC_MASK)
@@ -311,12 +300,24 @@ def _bwd_dkdv_kernel(Q, K, V, DOC, DOC_END, DO, LSE, DELTA, DK_PART, DV_PART, T,
     k, v = _load_keys(K, V, b, h, tile * BN, NC, d, d_ok, BN, H, D, BD, TMA)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
+    stop = tl.minimum(chunk * CHUNK + CHUNK, T)
+    # This chunk's query rows, from the first one that sees the tile's first block on (none: zero partials); from
+    # sees_all on, every row sees the tile's last block. (Row = position - Q0.)
+    start = tl.maximum(chunk * CHUNK, tile * BN * S + L - 1 - Q0)
+    sees_all = (tl.minimum(tile * BN + BN, NC) - 1) * S + L - 1 - Q0
+    whole = stop
+    if DOC_MASK:
+        # The queries past the end of the document holding the tile's last block see none of it, and those of
+        # the document holding its first block (to `whole`) every block that the causal rule lets them.
+        ends = DOC_END + b * T
+        stop = tl.minimum(stop, tl.load(ends + tl.minimum((tl.minimum(tile * BN + BN, NC) - 1) * S, T - 1)))
+        whole = tl.load(ends + tl.minimum(tile * BN * S, T - 1))
     # The group's heads in two slices (`_head_slices`): [0, GP), then [GP, G) padded to GB rows a position.
-    dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK, d,
-                         d_ok, qk_scale, H, G, GP, 0, D, L, S, BM, BN, PRECISION, DOC_MASK)
+    dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, sees_all, whole, stop, T, NC, Q0, d,
+                         d_ok, qk_scale, H, G, GP, 0, D, L, S, BM, PRECISION, DOC_MASK)
     if GB > 0:
-        dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, DOC_END, k, v, dk, dv, n, tile, chunk, b, h, T, NC, Q0, CHUNK,
-                             d, d_ok, qk_scale, H, G, GB, GP, D, L, S, BM, BN, PRECISION, DOC_MASK)
+        dk, dv = _dkdv_slice(Q, DO, LSE, DELTA, DOC, k, v, dk, dv, n, b, h, start, sees_all, whole, stop, T, NC, Q0,
+                             d, d_ok, qk_scale, H, G, GB, GP, D, L, S, BM, PRECISION, DOC_MASK)
     kv_base = b * NC * H * D + h * D
     ptr = chunk * tl.num_programs(2) * NC * D + kv_base + n[:, None] * (H * D) + d[None, :]  # [chunks, B, NC, H, D]
     mask = (n < NC)[:, None] & d_ok[None, :]

@@ -28,7 +28,15 @@ from torch import Tensor
 
 from nsa_models.nsa import triton_common
 from nsa_models.nsa.triton_common import LOG2E, head_rows_descriptor, load_head_rows, query_offsets, row_offset
-from nsa_models.nsa.triton_compressed import _KEYS, _contiguous, _first_block, _n_visible, _tile_rows, _tiling
+from nsa_models.nsa.triton_compressed import (
+    _KEYS,
+    _contiguous,
+    _first_block,
+    _n_visible,
+    _query_tile,
+    _tile_rows,
+    _tiling,
+)
 
 _TMA_BOX_ROWS = 256  # the most rows one TMA box holds
 # Groups of up to this many rows a position (both head slices) run the selection's loop branch-free, so that the
@@ -102,14 +110,10 @@ def _select_kernel(Q, K, LSE, DOC, IDX, ENT, KEYS, T, NC, Q0, Q0_ODD, NS, N_SEL,
     PB: tl.constexpr = L // S  # stride segments per compressed block
     BN: tl.constexpr = BJ * PS
     bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    t0 = tl.program_id(0).to(tl.int64) * QB
-    d = tl.arange(0, BD)
-    d_ok = d < D
+    # The group's heads in two slices: [0, GP) in the tile's BM rows, [GP, G) in BMB more (GB > 0).
+    t0, t, rows, row_ok, d, d_ok, _, b, h = _query_tile(T, H, G, GP, D, BM, BD)
     Q0 = row_offset(Q0, Q0_ODD, b)
     K = head_rows_descriptor(K, tl.num_programs(1) // H, NC, H, D, BN, BD, TMA)
-    # The group's heads in two slices: [0, GP) in the tile's BM rows, [GP, G) in BMB more (GB > 0).
-    t, rows, row_ok = _tile_rows(t0, b, h, T, H, G, GP, BM)
     q, lse_p, lse, seen, first_cmp = _slice_rows(Q, LSE, DOC, t, rows, row_ok, b, T, NC, Q0, d, d_ok, D, L, S, DOC_MASK)
     plogp_sum = tl.zeros([BM], tl.float32)  # sum of p * s (log2 units): entropy = lse - that, as p sums to 1
     if GB > 0:
