@@ -8,7 +8,10 @@ As tests/hopper_compile.py does for the Triton kernels: the launch is recorded f
 work lists and `_item_args` of CPU tensors) instead of run, then compiled. Cases: nsa-125m's heads (4 KV heads,
 G = 3, D = 64) and nsa-1b's (4 KV heads, G = 4, D = 128), 16 blocks of 64 keys chosen; the backward at both with
 and without the dQ term (WITH_DQ), with the rows per step and warps `selected_attention_bwd` gives each. Exit status 1
-if any fails.
+if any fails. `--quick`: each Gluon kernel once, at nsa-125m's heads and its default launch
+(tests/test_gluon_compile.py).
+
+    python tests/gluon_compile.py [items] [fused] [--quick]
 """
 
 from __future__ import annotations
@@ -197,6 +200,9 @@ def ptxas_report(ptx: str) -> str:
         result = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(Path(tmp) / "k.cubin")],
                                 capture_output=True, text=True)
     text = result.stdout + result.stderr
+    if result.returncode:  # e.g. a newer Triton's PTX ISA past its bundled ptxas
+        fatal = next((line for line in text.splitlines() if "fatal" in line), text.strip()[:200])
+        return "ptxas: " + fatal.split("fatal", 1)[-1].lstrip(" :")
     found = [re.search(pattern, text) for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores")]
     regs, spills = (m.group(1) if m else "?" for m in found)
     reasons = re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", text)
@@ -213,11 +219,14 @@ def summary(compiled) -> str:
 
 def main(parts: list[str]) -> int:
     """parts: "items" (the key-block-major kernels), "fused" (the fused sweep's kernels, with and without the
-    selected branch); both when empty."""
+    selected branch); both when empty. With "--quick" among them, each Gluon kernel once: at nsa-125m's heads,
+    its default launch, no Triton kernel beside it (what tests/test_gluon_compile.py runs)."""
     print(f"triton {triton.__version__}, target {HOPPER}")
     failures = 0
-    parts = parts or ["items", "fused"]
-    for name, H, G, D, T in CASES if "items" in parts else []:
+    quick = "--quick" in parts
+    parts = [part for part in parts if part != "--quick"] or ["items", "fused"]
+    first = slice(1) if quick else slice(None)  # nsa-125m's heads come first in each list
+    for name, H, G, D, T in CASES[first] if "items" in parts else []:
         args, kwargs = recorded_launch(H, G, D, T)
         label = f"{name}: H={H} G={G} D={D} T={T} (QB={kwargs['QB']})"
         try:
@@ -227,16 +236,18 @@ def main(parts: list[str]) -> int:
             print(f"FAILED {label}: {type(e).__name__}: {e}")
             continue
         print(f"compiled {label}\n  gluon:  {summary(compiled)}")
+        if quick:
+            continue
         # The Triton kernel as the forward op launches it, for comparison (4 warps, 2 or 3 stages: `_item_args`).
         triton_kwargs = {key: value for key, value in kwargs.items() if key not in ("NUM_WARPS", "num_warps")}
         triton_kwargs |= dict(PRECISION="tf32", BD=kwargs["D"], num_warps=4, num_stages=3 if kwargs["D"] > 64 else 2)
         print(f"  triton: {summary(compile_launch(_fwd_item_kernel, ASTSource, args, triton_kwargs))}")
-    for name, H, G, D, T, with_dq in BWD_CASES if "items" in parts else []:
+    for name, H, G, D, T, with_dq in BWD_CASES[first] if "items" in parts else []:
         args, kwargs, triton_kwargs = recorded_bwd_launch(H, G, D, T, with_dq)
         print(f"bwd dK/dV {name}: H={H} G={G} D={D} T={T} WITH_DQ={with_dq}")
         # The Gluon kernel at its default rows per step / warps (`bwd_launch_shape`), then the alternatives.
         default = (kwargs["BR"], kwargs["num_warps"])
-        for shape in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default]:
+        for shape in [default] + [s for s in ((64, 4), (64, 8), (128, 8)) if s != default and not quick]:
             label = f"gluon {shape[0]:>3} rows {shape[1]} warps{' (default)' if shape == default else ''}"
             try:
                 args, kwargs, _ = recorded_bwd_launch(H, G, D, T, with_dq, *shape)
@@ -245,10 +256,12 @@ def main(parts: list[str]) -> int:
             except Exception as e:
                 failures += 1
                 print(f"  FAILED {label}: {type(e).__name__}: {e}")
+        if quick:
+            continue
         # The Triton kernel as `selected_attention_bwd` launches it.
         label = f"triton {triton_kwargs['BR']:>3} rows {triton_kwargs['num_warps']} warps"
         print(f"  {label}: {summary(compile_launch(_bwd_dkdv_kernel, ASTSource, args, triton_kwargs))}")
-    for name, H, G, D, T, documents in FUSED_CASES if "fused" in parts else []:
+    for name, H, G, D, T, documents in FUSED_CASES[first] if "fused" in parts else []:
         (args, kwargs), (triton_args, triton_kwargs), dq_launch, dkdv_launch = recorded_fused_launches(
             H, G, D, T, documents)
         print(f"fused selected + window {name}: H={H} G={G} D={D} T={T}")
@@ -260,8 +273,9 @@ def main(parts: list[str]) -> int:
             except Exception as e:
                 failures += 1
                 print(f"  FAILED {label}: {type(e).__name__}: {e}")
-        compiled = compile_launch(triton_selected_window._fwd_kernel, ASTSource, triton_args, triton_kwargs)
-        print(f"  forward, triton: {summary(compiled)}")
+        if not quick:
+            compiled = compile_launch(triton_selected_window._fwd_kernel, ASTSource, triton_args, triton_kwargs)
+            print(f"  forward, triton: {summary(compiled)}")
         for label, kernel, launch in recorded_window_launches(H, G, D, T, documents):
             try:
                 compiled = compile_launch(getattr(gluon_selected_window, kernel), GluonASTSource, *launch)

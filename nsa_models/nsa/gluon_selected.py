@@ -27,9 +27,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+# Gluon's names that Triton changed after 3.6 (the GPU image's): the asynchronous copies became `async_load` (in
+# cp.async's module and in TMA's; 3.9 keeps the old names only to raise) and `thread_barrier` became `barrier`.
+# The kernels call these, which run on either (tests/gluon_compile.py builds them with the installed Triton).
+cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 _NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a step's rows
 _BS = 64  # keys per selection block
@@ -108,8 +116,8 @@ def _block_rows(K, V, k_buf, v_buf, blk, b, h, TK, u, d, H: gl.constexpr, D: gl.
     key = blk * BS + u
     kv = ((b * TK + key) * H + h) * D
     ok = (key < TK)[:, None]
-    async_copy.async_copy_global_to_shared(k_buf, K + kv[:, None] + d[None, :], mask=ok)
-    async_copy.async_copy_global_to_shared(v_buf, V + kv[:, None] + d[None, :], mask=ok)
+    cp_async_load(k_buf, K + kv[:, None] + d[None, :], mask=ok)
+    cp_async_load(v_buf, V + kv[:, None] + d[None, :], mask=ok)
 
 
 @gluon.jit(do_not_specialize=["T", "TK", "Q0", "Q0_ODD", "N_BLK"])
@@ -141,7 +149,7 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
     _block_rows(K, V, k_smem, v_smem, j, b, h, TK, gl.arange(0, BS, layout=row_l), d, H, D, BS)
     ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
     rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
-    async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
+    cp_async_load(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
     entry = gl.convert_layout(entry, ent_l)
     # The next step's entries, read now: a step's gather is issued from entries loaded one step earlier, so the read
@@ -156,9 +164,9 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         # through the async one: the fence orders them.
         async_copy.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
-        async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
+        cp_async_load(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
                                                mask=_step_ok(qs + QB, end, G, BR, QB, row_l)[:, None])
         async_copy.commit_group()
         s = warpgroup_mma(q_smem.index(buf), k_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l),
@@ -242,8 +250,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
     _block_rows(K, V, k_smem, v_smem, j, b, h, TK, gl.arange(0, BS, layout=row_l), d, H, D, BS)
     ok, entry = _step_entries(QSLOT, start, end, G, BR, QB, row_l)
     rows = _entry_rows(entry, b, h, T, N_SEL, H, G, BR, row_l)
-    async_copy.async_copy_global_to_shared(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
-    async_copy.async_copy_global_to_shared(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
+    cp_async_load(q_smem.index(0), Q + rows[:, None] * D + d[None, :], mask=ok[:, None])
+    cp_async_load(do_smem.index(0), DO + rows[:, None] * D + d[None, :], mask=ok[:, None])
     async_copy.commit_group()
     entry = gl.convert_layout(entry, ent_l)
     # The next step's entries, read now, so that its gather never waits for QSLOT (as in the forward).
@@ -259,12 +267,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         # before wgmma's reads (async proxy).
         async_copy.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         n_ok = _step_ok(qs + QB, end, G, BR, QB, row_l)
         n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
-        async_copy.async_copy_global_to_shared(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
+        cp_async_load(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
                                                mask=n_ok[:, None])
-        async_copy.async_copy_global_to_shared(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
+        cp_async_load(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
                                                mask=n_ok[:, None])
         async_copy.commit_group()
 
@@ -291,12 +299,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         p = gl.where(visible, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()  # every warp's rows of P are written before a warpgroup's MMA reads them all
+        thread_barrier()  # every warp's rows of P are written before a warpgroup's MMA reads them all
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_buf, dv, is_async=True)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))  # dP done; P^T dO may still run
         ds_smem.store((p * (dp - delta[:, None])).to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         if WITH_DQ:
             # dQ = dS k issued before dK += dS^T q, with dS as the A operand straight from its shared copy: the dQ
             # term is converted and stored while dK's MMA runs.

@@ -43,14 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from nsa_models.nsa.gluon_selected import _mma_layout, _row_layout
+from nsa_models.nsa.gluon_selected import _mma_layout, _row_layout, cp_async_load, thread_barrier, tma_async_load
 from nsa_models.nsa.triton_common import LOG2E, document_query_ends
 
 _NUM_WARPS = 4  # one warpgroup: wgmma's 64-row tile is exactly a query tile's rows
@@ -84,8 +83,8 @@ def _load_step(k_desc, v_desc, k_smem, v_smem, bars, step, n_steps, row0, col, S
     bar = bars.index(slot)
     ok = step < n_steps
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0 + step * BN, col], bar, k_smem.index(slot), pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [row0 + step * BN, col], bar, v_smem.index(slot), pred=ok)
+    tma_async_load(k_desc, [row0 + step * BN, col], bar, k_smem.index(slot), pred=ok)
+    tma_async_load(v_desc, [row0 + step * BN, col], bar, v_smem.index(slot), pred=ok)
 
 
 @gluon.jit
@@ -248,7 +247,7 @@ def _refill(k_desc, v_desc, k_smem, v_smem, bars, j, start, n_steps, row0, col, 
             BN: gl.constexpr):
     """At step j, after the wait that ended step j - 1's products: once every warp is there, step j - 1's stage
     takes step j - 1 + STAGES (the ring's first STAGES loads were issued before the walk)."""
-    gl.thread_barrier()
+    thread_barrier()
     if j > start:
         _load_step(k_desc, v_desc, k_smem, v_smem, bars, j - 1 + STAGES, n_steps, row0, col, STAGES, BN)
 
@@ -276,7 +275,7 @@ def _fwd_kernel(Q, k_desc, v_desc, BITS, DOC, O_SLC, O_WIN, LSE_SLC, LSE_WIN, T,
     t, ok, rows = _tile_rows(first, b, h, T, H, G, QT, BM, row_l)
     q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
     st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
                                                srow_l)
@@ -353,7 +352,7 @@ def _bwd_dq_kernel(Q, k_desc, v_desc, BITS, DOC, DO, LSE_SLC, LSE_WIN, DELTA_SLC
     q_smem = _rows_to_shared(Q, rows, ok, d, D, BM)
     do_smem = _rows_to_shared(DO, rows, ok, d, D, BM)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
     st, s_ok, s_rows, word, doc = _row_choices(BITS, DOC, bh, b, h, first, T, H, G, QT, BM, DOC_MASK, SELECTED,
                                                srow_l)
@@ -401,8 +400,8 @@ def _gather_tile(Q, DO, q_buf, do_buf, tile, b, h, T, d, H: gl.constexpr, G: gl.
     """One cp.async group: query tile `tile`'s q and dO rows into a stage (zeros for rows past T)."""
     t, ok, rows = _tile_rows(tile * QT, b, h, T, H, G, QT, BM, row_l)
     offsets = rows[:, None] * D + d[None, :]
-    async_copy.async_copy_global_to_shared(q_buf, Q + offsets, mask=ok[:, None])
-    async_copy.async_copy_global_to_shared(do_buf, DO + offsets, mask=ok[:, None])
+    cp_async_load(q_buf, Q + offsets, mask=ok[:, None])
+    cp_async_load(do_buf, DO + offsets, mask=ok[:, None])
     async_copy.commit_group()
 
 
@@ -415,7 +414,7 @@ def _gather_ahead(Q, DO, q_bufs, do_bufs, tile, i, b, h, T, d, H: gl.constexpr, 
     _gather_tile(Q, DO, q_bufs.index(nxt), do_bufs.index(nxt), tile + STAGES - 1, b, h, T, d, H, G, D, QT, BM, row_l)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.jit
@@ -527,8 +526,8 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
     mbarrier.init(bar, count=1)
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     row0 = (b * T).to(gl.int32) + kb * BN
-    tma.async_copy_global_to_shared(k_desc, [row0, (h * D).to(gl.int32)], bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0, (h * D).to(gl.int32)], bar, v_smem)
+    tma_async_load(k_desc, [row0, (h * D).to(gl.int32)], bar, k_smem)
+    tma_async_load(v_desc, [row0, (h * D).to(gl.int32)], bar, v_smem)
 
     q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
     do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], tile_sl)
@@ -540,7 +539,7 @@ def _bwd_dkdv_kernel(Q, k_desc, v_desc, BITS, DOC, QEND, DO, LSE_SLC, LSE_WIN, D
     mbarrier.wait(bar, 0)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     s, dp = _issue_tile_products(q_bufs.index(0), do_bufs.index(0), k_smem, v_smem, s_l, BM, BN)
     p, ds = _tile_ds(s, dp, first, kb, b, h, bh, T, W, qk_scale, BITS, DOC, LSE_SLC, LSE_WIN, DELTA_SLC, DELTA_WIN,
                      H, G, QT, BM, BN, DOC_MASK, s_l, 0, SELECTED, True)
