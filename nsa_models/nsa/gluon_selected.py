@@ -167,7 +167,7 @@ def _fwd_item_kernel(Q, K, V, ITEM_SEG, ITEM_START, ITEM_END, QSLOT, O_PART, LSE
         thread_barrier()
         n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
         cp_async_load(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
-                                               mask=_step_ok(qs + QB, end, G, BR, QB, row_l)[:, None])
+                      mask=_step_ok(qs + QB, end, G, BR, QB, row_l)[:, None])
         async_copy.commit_group()
         s = warpgroup_mma(q_smem.index(buf), k_smem.permute((1, 0)), gl.zeros([BR, BS], gl.float32, s_l),
                           use_acc=False, is_async=True)
@@ -270,10 +270,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_START, ITEM_END, QS
         thread_barrier()
         n_ok = _step_ok(qs + QB, end, G, BR, QB, row_l)
         n_rows = _entry_rows(gl.convert_layout(n_entry, row_l), b, h, T, N_SEL, H, G, BR, row_l)
-        cp_async_load(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :],
-                                               mask=n_ok[:, None])
-        cp_async_load(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :],
-                                               mask=n_ok[:, None])
+        cp_async_load(q_smem.index(buf ^ 1), Q + n_rows[:, None] * D + d[None, :], mask=n_ok[:, None])
+        cp_async_load(do_smem.index(buf ^ 1), DO + n_rows[:, None] * D + d[None, :], mask=n_ok[:, None])
         async_copy.commit_group()
 
         q_buf = q_smem.index(buf)
