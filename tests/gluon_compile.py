@@ -2,7 +2,8 @@
 the key-block-major forward and the backward's dK/dV kernel; `gluon_selected_window.py`: the fused selected +
 window forward), with the arguments the host code launches
 them with, and prints what the PTX holds: wgmma and cp.async instruction counts, shared memory, and ptxas's
-registers / spills per shape, next to the Triton kernel each replaces, compiled for the same launch.
+registers / spills and the SASS instructions of each loop per shape, next to the Triton kernel each replaces, compiled
+for the same launch.
 
 As tests/hopper_compile.py does for the Triton kernels: the launch is recorded from `gluon_fwd_items` (given the
 work lists and `_item_args` of CPU tensors) instead of run, then compiled. Cases: nsa-125m's heads (4 KV heads,
@@ -210,11 +211,37 @@ def ptxas_report(ptx: str) -> str:
     return f"registers {regs}, spill stores {spills} B{serialized}"
 
 
+def sass_loops(cubin: bytes) -> str:
+    """The SASS instructions of each loop of the kernel (a backward branch's span, innermost loops included), from
+    Triton's bundled nvdisasm: what one step issues a warp, the measure the item kernels' steps are bound by
+    (docs/KERNELS.md, "What a step costs")."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        result = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True)
+    if result.returncode or not nvdisasm.exists():
+        return "SASS loops: no nvdisasm output"
+    labels, branches, address = {}, [], -16
+    for line in result.stdout.splitlines():
+        at = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if at:
+            address = int(at.group(1), 16)
+            target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+            if target:
+                branches.append((address, target.group(1)))
+        elif re.match(r"^(\.L_x_\d+):", line):
+            labels[line.split(":")[0]] = address + 16  # the next instruction's address
+    loops = [(address - labels[name]) // 16 + 1 for address, name in branches if labels.get(name, address) < address]
+    loops = [n for n in loops if n > 2]  # not the closing branch to itself, nor the barrier's retry
+    return f"SASS loops {', '.join(map(str, loops)) or 'none'}"
+
+
 def summary(compiled) -> str:
-    """The PTX's instruction counts, shared memory and ptxas's report of one compiled kernel."""
+    """The PTX's instruction counts, shared memory, ptxas's report and the SASS loops of one compiled kernel."""
     ptx = compiled.asm["ptx"]
     counts = ", ".join(f"{key} {len(re.findall(pattern, ptx))}" for key, pattern in PTX_COUNTS.items())
-    return f"{counts}; shared {compiled.metadata.shared} B; {ptxas_report(ptx)}"
+    return f"{counts}; shared {compiled.metadata.shared} B; {ptxas_report(ptx)}; {sass_loops(compiled.asm['cubin'])}"
 
 
 def main(parts: list[str]) -> int:
