@@ -187,19 +187,25 @@ def compile_launch(kernel: triton.JITFunction, source_type: type[ASTSource], arg
     return triton.compile(source, target=HOPPER, options=options)
 
 
+def _bundled_tool(tool: str, name: str, data: bytes, *args: str) -> subprocess.CompletedProcess | None:
+    """Run one of the CUDA tools Triton's NVIDIA backend bundles on `data`, written to a temporary file `name`
+    (given as the tool's last argument; relative paths in args land beside it); None if Triton has no such tool."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    if not path.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / name).write_bytes(data)
+        return subprocess.run([str(path), *args, name], cwd=tmp, capture_output=True, text=True)
+
+
 def ptxas_report(ptx: str) -> str:
     """Registers and spill bytes ptxas reports for the PTX (sm_90a), from Triton's bundled ptxas, and whether it
     serialized the wgmma instructions, and why (its "Potential Performance Loss" warnings: C7513, a register operand
     defined while a product runs; C7515, a non-wgmma instruction writing a product's accumulator registers while
     another product runs)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        return f"no ptxas at {ptxas}"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.ptx"
-        path.write_text(ptx)
-        result = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(Path(tmp) / "k.cubin")],
-                                capture_output=True, text=True)
+    result = _bundled_tool("ptxas", "kernel.ptx", ptx.encode(), "-arch=sm_90a", "-v", "-o", "k.cubin")
+    if result is None:
+        return "no ptxas in Triton's NVIDIA backend"
     text = result.stdout + result.stderr
     if result.returncode:  # e.g. a newer Triton's PTX ISA past its bundled ptxas
         fatal = next((line for line in text.splitlines() if "fatal" in line), text.strip()[:200])
@@ -215,12 +221,8 @@ def sass_loops(cubin: bytes) -> str:
     """The SASS instructions of each loop of the kernel (a backward branch's span, innermost loops included), from
     Triton's bundled nvdisasm: what one step issues a warp, the measure the item kernels' steps are bound by
     (docs/KERNELS.md, "What a step costs")."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        result = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True)
-    if result.returncode or not nvdisasm.exists():
+    result = _bundled_tool("nvdisasm", "kernel.cubin", cubin, "-c")
+    if result is None or result.returncode:
         return "SASS loops: no nvdisasm output"
     labels, branches, address = {}, [], -16
     for line in result.stdout.splitlines():
